@@ -1,0 +1,128 @@
+"""`LLM`: the offline Python API (the shape vLLM and TensorRT-LLM users know).
+
+    llm = LLM(target="default")
+    outs = llm.generate(["prompt", ...], SamplingParams(max_tokens=64, temperature=0.0, seed=0))
+    outs[0].text, outs[0].token_ids, outs[0].metrics
+
+All prompts of one `generate` call are batched together in the engine's step loop. This module
+only turns prompts into token ids and engine requests back into outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_trt.errors import DsparkError, InvalidRequestError
+from dspark_trt.models.loading import LoadedTarget, load_target
+from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.proposer import Proposer
+from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.sampling import SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict = field(default_factory=dict)  # num_steps, num_draft_tokens, num_accepted_tokens, accept_length, ...
+
+    @classmethod
+    def from_request(cls, request: Request) -> "RequestOutput":
+        metrics = request.stats.as_dict()
+        metrics["prompt_tokens"] = len(request.prompt_token_ids)
+        metrics["completion_tokens"] = len(request.output_token_ids)
+        return cls(request.request_id, request.prompt_token_ids, request.output_text,
+                   list(request.output_token_ids), request.finish_reason.value, metrics)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    def __init__(self, target: str | os.PathLike = "default", drafter: Proposer | str | None = None,
+                 engine_dir: str | os.PathLike | None = None, dtype: str = "float32",
+                 max_batch_size: int = 32, max_batch_tokens: int = 2048):
+        if engine_dir is not None:
+            raise DsparkError("engine directories are written by `dspark-trt build`, which this version does not have yet")
+        if dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
+        if isinstance(drafter, (str, os.PathLike)):
+            raise DsparkError("trained drafter checkpoints are not supported by this version yet; "
+                              "pass drafter=None or a Proposer object")
+        self.target: LoadedTarget = load_target(target, DTYPES[dtype])
+        self.tokenizer = self.target.tokenizer
+        self.engine = Engine(self.target, drafter, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+
+    # ---- prompts ----------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int] | Messages, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text, already-tokenised ids, or chat messages."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, list):  # chat messages
+            return self.encode_chat(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt must be a string, token ids or chat messages, got {type(prompt).__name__}", "prompt")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer(prompt).input_ids
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(f"the target {self.target.name} has no chat template", "messages")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: str | list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (batched); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt", "sampling_params")
+        token_lists = [self.encode(p, chat) for p in prompts]  # validate all before starting any
+        requests = [self.engine.add_request(ids, params) for ids, params in zip(token_lists, sampling_params)]
+        self._run(requests, use_tqdm)
+        return [RequestOutput.from_request(r) for r in requests]
+
+    def chat(self, messages: Messages | list[Messages], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(requests), desc="generating", unit="req")
+        try:
+            while self.engine.has_unfinished():
+                for request in self.engine.step():
+                    if request.finished and progress is not None:
+                        progress.update(1)
+        except BaseException:
+            for request in requests:  # leave the engine clean for the next call
+                if not request.finished:
+                    self.engine.abort(request)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()

@@ -1,0 +1,89 @@
+"""One generation request as it moves through the step loop.
+
+A request's tokens live in three places: `prompt_token_ids` (given), `output_token_ids`
+(committed), and its `KVCache`, which holds every token but the last committed one: that
+`pending_token` is fed at the next step as the *anchor* of the draft block, and its logits
+verify the draft. `RequestStats` counts what speculation did for this request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_trt.runtime.kv_cache import KVCache
+from dspark_trt.runtime.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass
+class RequestStats:
+    num_steps: int = 0  # target verification steps after prefill
+    num_draft_tokens: int = 0  # draft tokens sent to verification
+    num_accepted_tokens: int = 0  # draft tokens accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] = times draft slot k+1 was accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [k] = times draft slot k+1 was verified
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        while len(self.drafted_per_position) < num_drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for k in range(num_drafted):
+            self.drafted_per_position[k] += 1
+            self.accepted_per_position[k] += int(k < num_accepted)
+
+    @property
+    def accept_length(self) -> float:
+        """tau: tokens committed per verification step, counting the bonus/corrected token."""
+        return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accept_length": self.accept_length,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+        }
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache: KVCache
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_computed: int = 0  # prompt tokens already in the cache (chunked prefill)
+    finish_reason: FinishReason | None = None
+    output_text: str = ""
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_prompt_computed < len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def pending_token(self) -> int:
+        """The last committed token: not yet in the cache, it anchors the next draft block."""
+        return self.output_token_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)

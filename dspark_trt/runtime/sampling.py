@@ -1,0 +1,121 @@
+"""Sampling and speculative verification: the one place these terms are defined.
+
+- `SamplingParams`: what a request asks for (validated on construction).
+- `target_probs`: logits -> the distribution a request samples from (temperature, top-k, top-p);
+  temperature 0 is greedy and gives a point mass on the argmax.
+- `verify_draft`: the lossless speculative rule. Draft tokens `x_1..x_l` are checked against the
+  target distributions `p_1..p_{l+1}`; token `x_k` is accepted with probability
+  `min(1, p_k(x_k) / q_k(x_k))`; the first rejection is resampled from the normalised residual
+  `max(p_k - q_k, 0)`; if all pass, a bonus token is sampled from `p_{l+1}`. A draft given as
+  point masses (no `q`) has `q_k(x_k) = 1`. Under greedy decoding this reduces exactly to
+  "accept the longest prefix that matches the target's argmax, then emit the argmax".
+
+Every request owns a `torch.Generator`, so a seeded request is reproducible whatever else is
+in the batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_trt.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # generation ends before the first stop string
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self) -> torch.Generator:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed if self.seed is not None else random.getrandbits(63))
+        return generator
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits `[n, vocab]` -> sampling distributions `[n, vocab]` (float32, rows sum to 1)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a distribution `[vocab]`."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_draft(draft_tokens: list[int], draft_probs: torch.Tensor | None, probs: torch.Tensor,
+                 generator: torch.Generator, greedy: bool) -> tuple[int, int]:
+    """Check a draft block against the target.
+
+    draft_tokens: `[l]` proposed tokens. draft_probs: `[l, vocab]` the drafter's distributions,
+    or None for point-mass drafts. probs: `[l + 1, vocab]` target distributions at the anchor and
+    after each draft token. Returns (number of accepted draft tokens a, the token emitted after
+    them: the correction at position a+1, or the bonus token when a == l).
+    """
+    if greedy:  # exact integer comparison, no floating-point acceptance test
+        target_tokens = probs.argmax(-1).tolist()
+        for k, token in enumerate(draft_tokens):
+            if token != target_tokens[k]:
+                return k, target_tokens[k]
+        return len(draft_tokens), target_tokens[len(draft_tokens)]
+
+    for k, token in enumerate(draft_tokens):
+        p = probs[k]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[k, token])
+        p_token = float(p[token])
+        # u < p/q  <=>  u * q < p (no division; q may be 0 for a token the drafter never proposes)
+        u = float(torch.rand((), generator=generator))
+        if u * q_token < p_token:
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            residual = (p - draft_probs[k]).clamp_min_(0.0)
+        mass = float(residual.sum())
+        # mass == 0 only when p <= q everywhere, i.e. p == q, where rejection has probability 0;
+        # guard against rounding anyway by falling back to p.
+        return k, sample(residual / mass if mass > 0 else p, generator)
+    return len(draft_tokens), sample(probs[len(draft_tokens)], generator)
