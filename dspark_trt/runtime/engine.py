@@ -29,12 +29,19 @@ from dspark_trt.runtime.sampling import SamplingParams, sample, target_probs, ve
 
 class Engine:
     def __init__(self, target: LoadedTarget, proposer: Proposer | None = None,
-                 max_batch_size: int = 32, max_batch_tokens: int = 2048):
+                 max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
+                 feature_layers: tuple[int, ...] = ()):
         self.target = target
+        # Target layers whose outputs each step hands to requests (`Request.new_features`): what
+        # the drafter conditions on, and what datagen caches for training.
+        self.feature_layers = tuple(feature_layers)
         self.proposer = proposer
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.context_length = target.config.max_position_embeddings
+        # The longest sequence (prompt + output) a request may reach: the model's context, or
+        # less to bound KV memory (every running request owns a slot of this many positions).
+        self.context_length = min(target.config.max_position_embeddings, max_model_len)
+        self.pool = target.model.new_pool(max_batch_size, self.context_length)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -54,12 +61,10 @@ class Engine:
         vocab = self.target.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        capacity = min(self.context_length, len(prompt_token_ids) + params.max_tokens + 16)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            cache=self.target.model.new_cache(capacity),
             generator=params.make_generator(),
         )
         self.waiting.append(request)
@@ -71,6 +76,12 @@ class Engine:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if request.cache is not None:
+            self.pool.free(request.cache)
+            request.cache = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,8 +90,10 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one target forward; return the requests that committed tokens or finished."""
-        while self.waiting and len(self.running) < self.max_batch_size:
-            self.running.append(self.waiting.popleft())
+        while self.waiting and self.pool.num_free_slots:
+            request = self.waiting.popleft()
+            request.cache = self.pool.allocate()
+            self.running.append(request)
         if not self.running:
             return []
 
@@ -112,27 +125,39 @@ class Engine:
             [len(tokens) for _, tokens, _ in feeds],
             [request.cache for request, _, _ in feeds],
             torch.tensor(logits_indices),
+            self.feature_layers,
         )
 
-        updated, row = [], 0
+        updated, row, offset = [], 0, 0
         for request, tokens, draft in feeds:
-            if draft is None:  # prefill chunk
+            if draft is None:  # prefill chunk: logits only if it completes the prompt
                 request.num_prompt_computed += len(tokens)
-                if request.in_prefill:
-                    continue
-                probs = target_probs(output.logits[row : row + 1], request.params)
-                row += 1
-                self._commit(request, [sample(probs[0], request.generator)])
-            else:
-                probs = target_probs(output.logits[row : row + len(tokens)], request.params)
-                row += len(tokens)
-                num_accepted, next_token = verify_draft(draft.tokens, draft.probs, probs,
+                num_kept, num_logit_rows = len(tokens), 0 if request.in_prefill else 1
+                logits = output.logits[row : row + num_logit_rows]
+                if num_logit_rows:
+                    self._commit(request, [sample(target_probs(logits, request.params)[0], request.generator)])
+            else:  # anchor + draft block: verify
+                logits = output.logits[row : row + len(tokens)]
+                num_logit_rows = len(tokens)
+                num_accepted, next_token = verify_draft(draft.tokens, draft.probs, target_probs(logits, request.params),
                                                         request.generator, request.params.greedy)
                 request.stats.record(len(draft.tokens), num_accepted)
                 # The cache holds [.., pending, d_1..d_l]; keep pending and the accepted drafts.
                 request.cache.truncate(request.cache.length - len(draft.tokens) + num_accepted)
                 self._commit(request, draft.tokens[:num_accepted] + [next_token])
+                num_kept = 1 + num_accepted
+                logits = logits[:num_kept]
+            # Hand over what the kept positions produced; rejected drafts' rows are dropped
+            # together with their KV entries.
+            request.new_logits = logits
+            if output.features is not None:
+                request.new_features = output.features[offset : offset + num_kept]
+            row += num_logit_rows
+            offset += len(tokens)
             updated.append(request)
+        for request in self.running:
+            if request.finished:
+                self._release(request)
         self.running = [r for r in self.running if not r.finished]
         return updated
 

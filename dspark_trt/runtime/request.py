@@ -63,13 +63,17 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    cache: KVCache
     generator: torch.Generator
+    cache: KVCache | None = None  # a KV-pool slot while running
     output_token_ids: list[int] = field(default_factory=list)
     num_prompt_computed: int = 0  # prompt tokens already in the cache (chunked prefill)
     finish_reason: FinishReason | None = None
     output_text: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
+    # Set by each step for the positions it kept (see Engine): target features
+    # [num_kept, num_feature_layers * hidden] and logits [num_kept_with_logits, vocab].
+    new_features: torch.Tensor | None = None
+    new_logits: torch.Tensor | None = None
 
     @property
     def in_prefill(self) -> bool:

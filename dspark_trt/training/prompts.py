@@ -1,0 +1,145 @@
+"""Prompt sets for training data and evaluation, from the JSONL files in `data/`.
+
+Named sets (see `data/SOURCES.md` for origins and licenses):
+
+| name          | file                               | domain | use        |
+| ------------- | ---------------------------------- | ------ | ---------- |
+| gsm8k-train   | gsm8k/train.jsonl                  | math   | training   |
+| t0            | t0_prompts/prompts.jsonl           | chat   | training   |
+| self-instruct | self_instruct/seed_tasks.jsonl     | chat   | training   |
+| code-stdlib   | built from Python stdlib docstrings| code   | training   |
+| mt-bench      | mt_bench/question.jsonl (turn 1)   | chat   | evaluation |
+| humaneval     | humaneval/HumanEval.jsonl.gz       | code   | evaluation |
+| gsm8k         | gsm8k/test.jsonl                   | math   | evaluation |
+
+Any other value is read as a JSONL path whose rows hold one of the fields `prompt`,
+`question`, `instruction`, `turns` (first turn) or `messages`. Every prompt is returned as a
+chat conversation (a list of messages), because the targets we serve are chat models; the
+code set asks for a function the way a user would. Evaluation sets are never mixed into
+training: `TRAINING_SETS` and `EVALUATION_SETS` are disjoint by construction.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+
+DATA_DIR = Path(os.environ.get("DSPARK_TRT_DATA", Path(__file__).resolve().parents[2] / "data"))
+
+TRAINING_SETS = {
+    "gsm8k-train": ("gsm8k/train.jsonl", "math"),
+    "t0": ("t0_prompts/prompts.jsonl", "chat"),
+    "self-instruct": ("self_instruct/seed_tasks.jsonl", "chat"),
+    "code-stdlib": (None, "code"),
+}
+EVALUATION_SETS = {
+    "mt-bench": ("mt_bench/question.jsonl", "chat"),
+    "humaneval": ("humaneval/HumanEval.jsonl.gz", "code"),
+    "gsm8k": ("gsm8k/test.jsonl", "math"),
+}
+
+# Modules whose public functions have good one-line docstrings to turn into coding tasks.
+STDLIB_MODULES = (
+    "os", "os.path", "shutil", "string", "textwrap", "json", "re", "math", "statistics", "itertools",
+    "functools", "collections", "heapq", "bisect", "random", "datetime", "calendar", "fractions",
+    "difflib", "csv", "base64", "binascii", "hashlib", "urllib.parse", "html", "fnmatch", "glob",
+    "copy", "pprint", "operator", "struct", "zlib", "gzip", "ipaddress", "colorsys", "shlex",
+    "keyword", "secrets", "email.utils", "posixpath", "queue", "cmath", "time", "locale", "codecs",
+    "typing", "dataclasses", "contextlib", "io", "tempfile", "filecmp", "zipfile", "tarfile",
+    "argparse", "logging", "warnings", "traceback", "inspect", "quopri", "mimetypes", "wave",
+)
+
+
+@dataclass
+class Prompt:
+    prompt_id: str  # "<set>/<row>"
+    domain: str  # chat | math | code
+    messages: list[dict]  # the conversation to answer
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text.strip()}]
+
+
+def row_to_messages(row: dict) -> list[dict] | None:
+    """The conversation a JSONL row asks for, from whichever prompt field it has."""
+    if "messages" in row:
+        return row["messages"]
+    if "turns" in row:
+        return user(row["turns"][0])
+    if "instruction" in row:  # self-instruct: instruction plus the first instance's input
+        instance = (row.get("instances") or [{}])[0].get("input", "")
+        return user(row["instruction"] + ("\n\n" + instance if instance else ""))
+    if "question" in row:
+        return user(row["question"])
+    if "prompt" in row:
+        return user(row["prompt"])
+    return None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        raise DsparkError(f"prompt file {path} not found") from None
+    except (json.JSONDecodeError, OSError) as exc:
+        raise DsparkError(f"{path} is not valid JSONL: {exc}") from None
+
+
+def humaneval_messages(row: dict) -> list[dict]:
+    return user("Complete the following Python function.\n\n```python\n" + row["prompt"] + "```")
+
+
+def stdlib_code_prompts() -> list[list[dict]]:
+    """"Write a Python function `name(signature)` that <docstring summary>" for stdlib functions."""
+    tasks = []
+    for module_name in STDLIB_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module.__name__:
+                continue
+            doc = inspect.getdoc(obj)
+            summary = doc.split("\n\n")[0].replace("\n", " ").strip() if doc else ""
+            if len(summary) < 20:
+                continue
+            try:
+                signature = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            tasks.append(user(f"Write a Python function `{name}{signature}`. {summary} "
+                              "Include a docstring and a short usage example."))
+    return tasks
+
+
+def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
+    """The first `limit` prompts of a named set or JSONL file (all when limit is None)."""
+    if name == "code-stdlib":
+        conversations, domain = stdlib_code_prompts(), "code"
+    elif name in TRAINING_SETS or name in EVALUATION_SETS:
+        relative, domain = {**TRAINING_SETS, **EVALUATION_SETS}[name]
+        rows = read_jsonl(DATA_DIR / relative)
+        convert = humaneval_messages if name == "humaneval" else row_to_messages
+        conversations = [convert(row) for row in rows]
+    else:
+        path = Path(name)
+        if not path.is_file():
+            known = ", ".join([*TRAINING_SETS, *EVALUATION_SETS])
+            raise DsparkError(f"unknown prompt set {name!r}: give one of {known} or a JSONL file")
+        conversations, domain = [row_to_messages(row) for row in read_jsonl(path)], "custom"
+        if any(c is None for c in conversations):
+            raise DsparkError(f"{path}: every row needs one of the fields prompt, question, instruction, turns, messages")
+        name = path.stem
+    prompts = [Prompt(f"{name}/{i}", domain, c) for i, c in enumerate(conversations)]
+    return prompts[:limit] if limit is not None else prompts
