@@ -70,7 +70,7 @@ def generate(prompt, target, max_tokens, temperature, top_p, top_k, seed, stop, 
                f"accept_length={m['accept_length']:.2f}]", err=True)
 
 
-DEFAULT_DATAGEN_MIX = ("gsm8k-train:900", "t0:900", "self-instruct", "code-stdlib")
+DEFAULT_DATAGEN_MIX = ("gsm8k-train:720", "t0:700", "self-instruct", "code-stdlib")
 
 
 def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
@@ -104,7 +104,7 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     temps = tuple(parse_floats(temperatures, "--temperatures"))
     if any(t < 0 for t in temps) or not temps:
         raise click.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
-    prompts = [p for spec in prompt_specs for p in load_prompts(*parse_prompt_spec(spec))]
+    prompts = interleave([load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs])
     loaded = load_target(target)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
@@ -114,6 +114,13 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
                            feature_layers=layers)
     added = generate_dataset(loaded, prompts, output, config, features_dir, max_prompt_tokens)
     click.echo(f"wrote {added} new rows to {output} ({len(prompts)} prompts in all)")
+
+
+def interleave(prompt_sets: list[list]) -> list:
+    """Round-robin over the sets, so a partial run already covers every domain."""
+    from itertools import chain, zip_longest
+
+    return [p for p in chain.from_iterable(zip_longest(*prompt_sets)) if p is not None]
 
 
 def parse_floats(text: str, option: str) -> list[float]:

@@ -52,6 +52,12 @@ def rope_inverse_frequencies(config: TargetConfig) -> torch.Tensor:
     return inv_freq
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, written as transformers' Llama does it (and ~4x faster
+    than `F.rms_norm` for one row on CPU, measured)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[tokens, heads, head_dim]` by per-token angles (`cos`/`sin`: `[tokens, 1, head_dim]`)."""
     half = x.shape[-1] // 2
@@ -180,7 +186,7 @@ class TargetLayer(nn.Module):
     def forward(self, x: torch.Tensor, layer_index: int, cos: torch.Tensor, sin: torch.Tensor,
                 plan: "AttentionPlan") -> torch.Tensor:
         # x: [total_tokens, hidden]
-        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        h = rms_norm(x, self.attn_norm, self.eps)
         qkv = self.qkv(h)
         hd = self.head_dim
         q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
@@ -188,14 +194,14 @@ class TargetLayer(nn.Module):
         k = k.view(-1, self.num_kv_heads, hd)
         v = v.view(-1, self.num_kv_heads, hd)
         if self.q_norm is not None:
-            q = F.rms_norm(q, (hd,), self.q_norm, self.eps)
-            k = F.rms_norm(k, (hd,), self.k_norm, self.eps)
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         attn_out = plan.attend(layer_index, q, k, v)  # [tokens, heads * head_dim]
         x = x + self.o(attn_out)
 
-        h = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps)
+        h = rms_norm(x, self.mlp_norm, self.eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -230,7 +236,7 @@ class TargetModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: `[n, hidden]` -> `[n, vocab]`."""
-        return self.lm_head(F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.config.rms_norm_eps))
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps))
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
@@ -302,9 +308,6 @@ class TargetModel(nn.Module):
                 gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
                 layer.gate_up.weight_t.copy_(gate_up.t())
                 layer.down.weight_t.copy_(take(p + "mlp.down_proj.weight").t())
-        for module in self.modules():
-            if isinstance(module, FrozenLinear):
-                module.reset_packed()
 
     def weight_bytes(self) -> int:
         """Bytes read per decode step (every weight once; the tied embedding table is not read)."""

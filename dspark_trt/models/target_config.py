@@ -54,6 +54,12 @@ class TargetConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             attention_bias = bool(raw.get("attention_bias", False))
+            context = int(raw.get("max_position_embeddings", 2048))
+            window = raw.get("sliding_window")
+            if window and raw.get("use_sliding_window", arch == "mistral") and int(window) < context:
+                # We implement full attention only; up to the window length the two agree, so
+                # cap the context there rather than give wrong logits past it.
+                context = int(window)
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -65,7 +71,7 @@ class TargetConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=context,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "qwen2" or attention_bias,
                 o_bias=attention_bias,

@@ -24,6 +24,7 @@ from dspark_trt.errors import InvalidRequestError
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.runtime.proposer import Draft, Proposer
 from dspark_trt.runtime.request import FinishReason, Request
+from dspark_trt.runtime.threads import ensure_cpu_threads_cooperate
 from dspark_trt.runtime.sampling import SamplingParams, sample, target_probs, verify_draft
 
 
@@ -31,6 +32,7 @@ class Engine:
     def __init__(self, target: LoadedTarget, proposer: Proposer | None = None,
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
                  feature_layers: tuple[int, ...] = ()):
+        ensure_cpu_threads_cooperate()
         self.target = target
         # Target layers whose outputs each step hands to requests (`Request.new_features`): what
         # the drafter conditions on, and what datagen caches for training.

@@ -1,0 +1,136 @@
+"""Greedy decoding speed: our runtime against transformers' `generate`, side by side.
+
+    python benchmarks/decode_speed.py [--target default] [--max-tokens 64] [--output benchmarks/results/decode_speed.json]
+
+Same prompts (MT-Bench turn 1, chat template), same checkpoint, fp32, greedy, a fixed number
+of new tokens (EOS ignored, so both do the same work). Batch 1 runs prompts one after another;
+batch 8 runs 8 prompts together (transformers with left padding). Reports tok/s for both,
+their ratio, whether the generated token ids are identical, and our batch-1 decode step time
+against the memory-bandwidth floor (bytes of weights read per step / measured read bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark_trt import LLM, SamplingParams
+from dspark_trt.training.prompts import load_prompts
+
+
+def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Sustained read bandwidth of this machine: the best of a torch reduction and a BLAS GEMV
+    over a buffer far larger than the caches (the best one gives the strictest floor)."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    matrix, vector = buffer.numpy().reshape(-1, 4096), torch.ones(4096).numpy()
+    best = 0.0
+    for read in (buffer.sum, lambda: matrix @ vector):
+        read()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            read()
+        best = max(best, buffer.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def ours_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    return [o.token_ids for o in outputs], time.perf_counter() - start
+
+
+def hf_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+    return out[:, width:].tolist(), time.perf_counter() - start
+
+
+def decode_step_ms(llm: LLM, prompt: list[int], steps: int = 32) -> float:
+    """Median time of one batch-1 decode step of our engine (prefill excluded)."""
+    engine = llm.engine
+    request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True))
+    engine.step()  # prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.abort(request)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts for the batch-1 run (batch 8 uses 8)")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/decode_speed.json"))
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(target=args.target, max_batch_size=8)
+    hf = AutoModelForCausalLM.from_pretrained(llm.target.folder, dtype=torch.float32).eval()
+    prompts = [llm.encode_chat(p.messages) for p in load_prompts("mt-bench", max(8, args.num_prompts))]
+
+    # Warm up both (first calls pack weights, allocate caches).
+    ours_generate(llm, prompts[:1], 4)
+    hf_generate(hf, llm.tokenizer, prompts[:1], 4)
+
+    results = {"target": llm.target.name, "max_tokens": args.max_tokens, "dtype": "float32",
+               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+               "torch": torch.__version__}
+    for batch in (1, 8):
+        groups = [[p] for p in prompts[: args.num_prompts]] if batch == 1 else [prompts[:8]]
+        ours_ids, hf_ids, ours_time, hf_time = [], [], 0.0, 0.0
+        for group in groups:  # alternate the two so machine noise hits both alike
+            ids, seconds = ours_generate(llm, group, args.max_tokens)
+            ours_ids += ids
+            ours_time += seconds
+            ids, seconds = hf_generate(hf, llm.tokenizer, group, args.max_tokens)
+            hf_ids += ids
+            hf_time += seconds
+        tokens = sum(map(len, ours_ids))
+        identical = sum(a == b for a, b in zip(ours_ids, hf_ids))
+        results[f"batch_{batch}"] = {
+            "ours_tok_s": tokens / ours_time, "transformers_tok_s": tokens / hf_time,
+            "speedup": hf_time / ours_time, "identical_outputs": identical, "num_prompts": len(ours_ids),
+        }
+
+    bandwidth = read_bandwidth_gbs()
+    weight_bytes = llm.target.model.weight_bytes()
+    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+    step_ms = decode_step_ms(llm, prompts[0])
+    results["batch_1_step"] = {"ours_step_ms": step_ms, "weight_bytes_per_step": weight_bytes,
+                               "read_bandwidth_gb_s": bandwidth, "bandwidth_floor_ms": floor_ms,
+                               "ratio_to_floor": step_ms / floor_ms}
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    for batch in (1, 8):
+        r = results[f"batch_{batch}"]
+        print(f"batch {batch}: ours {r['ours_tok_s']:.1f} tok/s, transformers {r['transformers_tok_s']:.1f} tok/s, "
+              f"speed-up {r['speedup']:.2f}x, identical outputs {r['identical_outputs']}/{r['num_prompts']}")
+    s = results["batch_1_step"]
+    print(f"batch-1 decode step {s['ours_step_ms']:.1f} ms; floor {s['bandwidth_floor_ms']:.1f} ms "
+          f"({s['weight_bytes_per_step'] / 1e6:.0f} MB at {s['read_bandwidth_gb_s']:.1f} GB/s): "
+          f"{s['ratio_to_floor']:.2f}x the floor")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

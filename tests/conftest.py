@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random Llama-family targets with the real SmolLM2 tokenizer.
+
+Each tiny target is a real Hugging Face folder (config.json + safetensors + tokenizer) written
+by transformers itself, so our loader and forward pass are checked against transformers on
+the same files a user would give us. The tokenizer comes from the embedded default target
+(converted once and cached), so tests exercise a real tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def default_folder() -> Path:
+    """The converted embedded default target (SmolLM2-135M-Instruct) folder."""
+    from dspark_trt.models.loading import resolve_target
+
+    return resolve_target("default")[1]
+
+
+def make_tiny_target(folder: Path, tokenizer_folder: Path, architecture: str = "llama", seed: int = 0,
+                     **overrides) -> Path:
+    import transformers
+
+    configs = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder)
+    shapes = {**TINY_SHAPES, **overrides}
+    if architecture == "qwen3":
+        shapes.setdefault("head_dim", 16)
+    config = configs[architecture](vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=2, **shapes)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # random init is too flat to give interesting argmaxes; sharpen it
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(3.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory, default_folder):
+    """Make (and cache per session) a tiny target folder: tiny_factory("qwen3", seed=1)."""
+    made: dict[tuple, Path] = {}
+
+    def factory(architecture: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (architecture, seed, repr(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{architecture}")
+            made[key] = make_tiny_target(folder, default_folder, architecture, seed, **overrides)
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_factory) -> Path:
+    return tiny_factory("llama")
+
+
+@pytest.fixture
+def corrupt_copy(tmp_path):
+    """Copy a model folder so a test can damage it."""
+
+    def copy(folder: Path) -> Path:
+        target = tmp_path / "model"
+        shutil.copytree(folder, target)
+        return target
+
+    return copy
