@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import dspark_trt  # noqa: F401  (first: it sets the CPU threading policy before torch loads)
 import pytest
 import torch
 
