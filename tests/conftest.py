@@ -44,10 +44,11 @@ def make_tiny_target(folder: Path, tokenizer_folder: Path, architecture: str = "
     config = configs[architecture](vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=2, **shapes)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():  # random init is too flat to give interesting argmaxes; sharpen it
+    with torch.no_grad():  # random init gives near-uniform next-token distributions; sharpen them
         for param in model.parameters():
             if param.dim() == 2:
                 param.mul_(3.0)
+        model.get_input_embeddings().weight.normal_(std=0.5)  # tied: logits get a std of ~4
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -36,7 +36,7 @@ class Engine:
         self.target = target
         # Target layers whose outputs each step hands to requests (`Request.new_features`): what
         # the drafter conditions on, and what datagen caches for training.
-        self.feature_layers = tuple(feature_layers)
+        self.feature_layers = tuple(feature_layers) or tuple(getattr(proposer, "feature_layers", ()))
         self.proposer = proposer
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -81,6 +81,8 @@ class Engine:
             self._release(request)
 
     def _release(self, request: Request) -> None:
+        if hasattr(self.proposer, "release"):
+            self.proposer.release(request)
         if request.cache is not None:
             self.pool.free(request.cache)
             request.cache = None
@@ -157,6 +159,8 @@ class Engine:
             row += num_logit_rows
             offset += len(tokens)
             updated.append(request)
+            if hasattr(self.proposer, "observe"):  # keep the drafter's context current every step
+                self.proposer.observe(request)
         for request in self.running:
             if request.finished:
                 self._release(request)

@@ -54,12 +54,15 @@ class LLM:
             raise DsparkError("engine directories are written by `dspark-trt build`, which this version does not have yet")
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
-        if isinstance(drafter, (str, os.PathLike)):
-            raise DsparkError("trained drafter checkpoints are not supported by this version yet; "
-                              "pass drafter=None or a Proposer object")
         self.target: LoadedTarget = load_target(target, DTYPES[dtype])
         self.tokenizer = self.target.tokenizer
-        self.engine = Engine(self.target, drafter, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+        proposer = drafter
+        if isinstance(drafter, (str, os.PathLike)):
+            from dspark_trt.models.drafter_io import load_drafter
+            from dspark_trt.runtime.dspark_proposer import DSparkProposer
+
+            proposer = DSparkProposer(load_drafter(drafter, self.target))
+        self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
 
     # ---- prompts ----------------------------------------------------------------------------
 

@@ -1,0 +1,236 @@
+"""The DSpark drafter: a parallel backbone that drafts a block in one pass, plus a sequential
+head that fixes the block's tail, plus a confidence head for the verification scheduler.
+
+Backbone (DFlash-style). The block `[anchor, MASK x (gamma-1)]` sits at positions
+`p .. p+gamma-1`; slot k (1-based) predicts the token at `p + k`. Target features (outputs of
+a few target layers, each RMS-normalised, concatenated, projected to the hidden size and
+normalised again) are injected as extra keys/values in every layer: a block query sees the
+context features of positions `< p` and its own block in both directions, never other blocks.
+Embedding and LM head are the target's (frozen, not stored in the checkpoint); the LM head is
+restricted to the draft vocabulary (the most frequent target tokens).
+
+Sequential head. `p_k = softmax(U_k + B_k)` with `U_k` the backbone logits and
+`B_k = W1[x_{k-1}] @ W2` (Markov, rank r) or `B_k = s_k @ W2` with a GRU state
+`s_k = GRU([W1[x_{k-1}]; h_k], s_{k-1})` (RNN). `x_0` is the anchor. Every `p_k` is an exact
+softmax, so rejection sampling against it stays exact.
+
+Confidence head. `c_k = sigmoid(w . [h_k; W1[x_{k-1}]])`: the probability that draft token k
+survives verification given that tokens 1..k-1 did. It never looks at `x_k` itself, which is
+what lets the scheduler use it without breaking losslessness.
+
+This module is torch only: shapes and math. Sampling a block lives in `runtime/dspark_proposer.py`,
+losses in `training/losses.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.target import apply_rope, rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[..., 1, head_dim]` for integer positions `[...]` (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)
+    return angles.cos(), angles.sin()
+
+
+class DraftLayer(nn.Module):
+    """One backbone layer: block queries attend to injected context keys/values and the block."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q = nn.Linear(d, config.num_heads * hd, bias=False)
+        self.kv = nn.Linear(d, 2 * config.num_kv_heads * hd, bias=False)
+        self.o = nn.Linear(config.num_heads * hd, d, bias=False)
+        self.gate_up = nn.Linear(d, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, d, bias=False)
+
+    def keys_values(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`states` `[..., n, d]` -> keys, values `[..., kv_heads, n, head_dim]` (keys rotated)."""
+        k, v = self.kv(states).unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)
+        return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_keys: torch.Tensor,
+                context_values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: block states `[batch, queries, d]`; context keys/values `[batch, kv_heads, ctx, head_dim]`;
+        mask: `[batch, queries, ctx + queries]` (True = visible) or None for all-visible."""
+        h = self.attn_norm(x)
+        q = apply_rope(self.q(h).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin).transpose(1, 2)
+        block_keys, block_values = self.keys_values(h, cos, sin)
+        keys = torch.cat([context_keys, block_keys], dim=2)
+        values = torch.cat([context_values, block_values], dim=2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
+                                              enable_gqa=True)  # [batch, heads, queries, head_dim]
+        x = x + self.o(attn.transpose(1, 2).flatten(-2))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class MarkovHead(nn.Module):
+    """B(x_prev) = W1[x_prev] @ W2 (rank r); W2 starts at zero, so training starts from the backbone."""
+
+    def __init__(self, config: DrafterConfig, vocab: int):
+        super().__init__()
+        self.w2 = nn.Linear(config.markov_rank, vocab, bias=False)
+        nn.init.zeros_(self.w2.weight)
+
+    def forward(self, previous_embedding: torch.Tensor, hidden: torch.Tensor, state=None):
+        return self.w2(previous_embedding), None
+
+
+class RNNHead(nn.Module):
+    """B_k = s_k @ W2 with s_k = GRU([W1[x_{k-1}]; h_k], s_{k-1})."""
+
+    def __init__(self, config: DrafterConfig, vocab: int):
+        super().__init__()
+        self.cell = nn.GRUCell(config.markov_rank + config.hidden_size, config.markov_rank)
+        self.w2 = nn.Linear(config.markov_rank, vocab, bias=False)
+        nn.init.zeros_(self.w2.weight)
+
+    def forward(self, previous_embedding: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None):
+        shape = previous_embedding.shape[:-1]
+        inputs = torch.cat([previous_embedding, hidden], dim=-1).reshape(-1, self.cell.input_size)
+        state = self.cell(inputs, None if state is None else state.reshape(-1, self.cell.hidden_size))
+        state = state.reshape(*shape, -1)
+        return self.w2(state), state
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig, draft_vocab: torch.Tensor):
+        """draft_vocab: `[draft_vocab_size]` target token ids the drafter can propose."""
+        super().__init__()
+        self.config = config
+        d, num_features = config.hidden_size, len(config.feature_layers)
+        vocab_size = draft_vocab.numel()
+        self.register_buffer("draft_vocab", draft_vocab.long().clone())
+        # target id -> draft id, or `vocab_size` for tokens outside the draft vocabulary
+        to_draft = torch.full((config.target_vocab_size,), vocab_size, dtype=torch.long)
+        to_draft[draft_vocab.long()] = torch.arange(vocab_size)
+        self.register_buffer("to_draft", to_draft, persistent=False)
+
+        self.feature_norms = nn.ModuleList(RMSNorm(d, config.rms_norm_eps) for _ in range(num_features))
+        self.fuse = nn.Linear(num_features * d, d, bias=False)
+        self.fuse_norm = RMSNorm(d, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.final_norm = RMSNorm(d, config.rms_norm_eps)
+
+        self.previous_embedding = None  # W1 over the draft vocabulary plus one out-of-vocabulary row
+        self.sequential = None
+        self.confidence = None
+        if config.head != "none" or config.confidence:
+            self.previous_embedding = nn.Embedding(vocab_size + 1, config.markov_rank)
+            nn.init.normal_(self.previous_embedding.weight, std=0.02)
+        if config.head == "markov":
+            self.sequential = MarkovHead(config, vocab_size)
+        elif config.head == "rnn":
+            self.sequential = RNNHead(config, vocab_size)
+        if config.confidence:
+            self.confidence = nn.Linear(d + config.markov_rank, 1)
+
+        # Shared with the target, frozen, never saved: set by `attach_target`.
+        self.embed: torch.Tensor | None = None  # [target_vocab, d]
+        self.lm_head_t: torch.Tensor | None = None  # [d, draft_vocab]
+
+    def attach_target(self, target_model) -> "DSparkDrafter":
+        """Borrow the target's embedding and the draft-vocabulary rows of its LM head."""
+        self.embed = target_model.embed.detach()
+        self.lm_head_t = target_model.lm_head.weight_t.detach()[:, self.draft_vocab].contiguous()
+        if self.final_norm.weight.data.eq(1).all():  # fresh drafter: start from the target's final norm
+            self.final_norm.weight.data.copy_(target_model.final_norm.detach())
+        return self
+
+    # ---- the backbone ------------------------------------------------------------------------
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features `[..., m * d]` (m layers) -> context states `[..., d]`."""
+        parts = features.float().chunk(len(self.feature_norms), dim=-1)
+        normed = [norm(part) for norm, part in zip(self.feature_norms, parts)]
+        return self.fuse_norm(self.fuse(torch.cat(normed, dim=-1)))
+
+    def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer keys/values `[batch, kv_heads, n, head_dim]` of context states `[batch, n, d]`."""
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        return [layer.keys_values(context, cos, sin) for layer in self.layers]
+
+    def block_inputs(self, anchors: torch.Tensor, num_blocks_shape: tuple) -> torch.Tensor:
+        """`[*shape, gamma, d]`: the anchor's embedding, then the mask embedding."""
+        gamma = self.config.block_size
+        x = self.mask_embedding.expand(*num_blocks_shape, gamma, -1).clone()
+        x[..., 0, :] = self.embed[anchors]
+        return x
+
+    def backbone(self, block_states: torch.Tensor, block_positions: torch.Tensor,
+                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
+        """block_states `[batch, queries, d]` at `block_positions` `[batch, queries]` -> hidden `[batch, queries, d]`."""
+        cos, sin = rope_tables(block_positions, self.config.head_dim, self.config.rope_theta)
+        x = block_states
+        for layer, (keys, values) in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, keys, values, mask)
+        return self.final_norm(x)
+
+    def backbone_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """U: `[..., d]` -> `[..., draft_vocab]`."""
+        return hidden @ self.lm_head_t
+
+    # ---- the heads ---------------------------------------------------------------------------
+
+    def head_step(self, hidden: torch.Tensor, previous_draft_ids: torch.Tensor, state=None):
+        """Bias B_k and confidence logit for block slots with known previous tokens.
+
+        hidden `[..., d]`, previous_draft_ids `[...]` (draft-vocab ids, OOV = vocab size).
+        Returns (bias `[..., draft_vocab]` or None, confidence logit `[...]` or None, new state).
+        """
+        if self.previous_embedding is None:
+            return None, None, state
+        previous = self.previous_embedding(previous_draft_ids)
+        bias = None
+        if self.sequential is not None:
+            bias, state = self.sequential(previous, hidden, state)
+        confidence = None
+        if self.confidence is not None:
+            confidence = self.confidence(torch.cat([hidden, previous], dim=-1)).squeeze(-1)
+        return bias, confidence, state
+
+    def teacher_forced_heads(self, hidden: torch.Tensor, previous_draft_ids: torch.Tensor):
+        """Training: heads over whole blocks with the true previous tokens.
+
+        hidden `[..., gamma, d]`, previous_draft_ids `[..., gamma]` -> bias `[..., gamma, V_d]`, conf `[..., gamma]`.
+        """
+        if isinstance(self.sequential, RNNHead):  # recurrent: slot by slot
+            biases, confidences, state = [], [], None
+            for k in range(self.config.block_size):
+                bias, conf, state = self.head_step(hidden[..., k, :], previous_draft_ids[..., k], state)
+                biases.append(bias)
+                confidences.append(conf)
+            confidence = torch.stack(confidences, -1) if confidences[0] is not None else None
+            return torch.stack(biases, -2), confidence
+        bias, confidence, _ = self.head_step(hidden, previous_draft_ids)
+        return bias, confidence
+
+    def calibrated_confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """Confidence logits `[..., gamma]` -> probabilities, with STS temperatures when calibrated."""
+        temperatures = self.config.confidence_temperatures
+        if temperatures:
+            logits = logits / torch.tensor(temperatures[: logits.shape[-1]], dtype=logits.dtype)
+        return torch.sigmoid(logits)

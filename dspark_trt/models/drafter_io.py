@@ -1,0 +1,74 @@
+"""Save and load drafter checkpoints: `config.json` + `model.safetensors` in one folder.
+
+The checkpoint holds the drafter's own weights and its draft vocabulary; the embedding and LM
+head are the target's and are re-attached at load time, which is also when the target's
+identity is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dspark_trt.errors import ModelLoadError
+from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.loading import LoadedTarget
+
+# Where `drafter="default"` points: the DSpark drafter trained for the embedded default target.
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct" / "dspark"
+
+
+def save_drafter(drafter: DSparkDrafter, folder: Path, dtype: torch.dtype = torch.float32,
+                 extra_files: dict[str, str] | None = None) -> None:
+    """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        drafter.config.save(staging)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in drafter.state_dict().items()}
+        save_file(state, staging / "model.safetensors")
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
+        if folder.exists():
+            old = folder.with_name(folder.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+            os.replace(staging, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DSparkDrafter:
+    from safetensors.torch import load_file
+
+    folder = DEFAULT_DRAFTER_DIR if str(spec) == "default" else Path(spec)
+    if not folder.is_dir():
+        hint = " (the default drafter ships in the repository's checkpoints/ folder)" if str(spec) == "default" else ""
+        raise ModelLoadError(f"drafter {str(spec)!r} not found: give a drafter checkpoint folder{hint}")
+    config = DrafterConfig.load(folder)
+    config.check_target(target.name, target.config)
+    try:
+        state = load_file(folder / "model.safetensors")
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder} has no model.safetensors") from None
+    except Exception as exc:
+        raise ModelLoadError(f"corrupt drafter weights in {folder}: {exc}") from None
+    if "draft_vocab" not in state:
+        raise ModelLoadError(f"{folder}/model.safetensors lacks the draft vocabulary")
+    drafter = DSparkDrafter(config, state["draft_vocab"])
+    try:
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    except RuntimeError as exc:
+        raise ModelLoadError(f"drafter weights in {folder} do not match its config.json: {exc}") from None
+    return drafter.attach_target(target.model).eval().requires_grad_(False)

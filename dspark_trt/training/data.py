@@ -1,0 +1,141 @@
+"""Training data for drafters: token rows from `datagen` plus cached target features.
+
+A `Sequence` is one datagen row with its features: `features` `[T-1, (m+1) * d]` fp16 (the m
+drafter feature layers, then the target's last layer, for every position but the final
+token) and `logsumexp` `[R]` (normaliser of the target logits that predicted each of the R
+response tokens). `ensure_features` computes what the cache lacks with one prefill-style
+target pass per row, so a fresh machine can train from the committed JSONL alone.
+
+`make_batch` samples anchors and builds the tensors one training step needs (see `Batch`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.models.loading import LoadedTarget
+from dspark_trt.training.datagen import feature_file
+
+
+@dataclass
+class Sequence:
+    row_id: str
+    token_ids: torch.Tensor  # [T] prompt + response
+    prompt_length: int  # P
+    features: torch.Tensor  # [T-1, (m+1) * d] fp16
+    logsumexp: torch.Tensor  # [T-P] fp32: normaliser at positions P-1 .. T-2
+
+
+def read_rows(path: Path) -> list[dict]:
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        raise DsparkError(f"training data {path} not found (make it with `dspark-trt datagen`)") from None
+    except json.JSONDecodeError as exc:
+        raise DsparkError(f"{path} is not valid JSONL: {exc}") from None
+    return [r for r in rows if len(r["response_ids"]) >= 2]
+
+
+@torch.inference_mode()
+def ensure_features(target: LoadedTarget, rows: list[dict], features_dir: Path, feature_layers: tuple[int, ...],
+                    max_batch_tokens: int = 2048) -> None:
+    """Compute and cache the features of rows that have none (one target pass per row)."""
+    features_dir.mkdir(parents=True, exist_ok=True)
+    missing = [r for r in rows if not feature_file(features_dir, r["id"]).is_file()]
+    if not missing:
+        return
+    layers = (*feature_layers, target.config.num_layers - 1)
+    model = target.model
+    longest = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in missing)
+    pool = model.new_pool(1, longest)
+    for row in tqdm(missing, desc="target features", unit="row"):
+        tokens = row["prompt_ids"] + row["response_ids"][:-1]  # the final token is never fed
+        cache = pool.allocate()
+        prompt_length = len(row["prompt_ids"])
+        logits_at = torch.arange(prompt_length - 1, len(tokens))
+        out = model(torch.tensor(tokens), [len(tokens)], [cache], logits_at, layers)
+        pool.free(cache)
+        np.savez(feature_file(features_dir, row["id"]), features=out.features.to(torch.float16).numpy(),
+                 logsumexp=torch.logsumexp(out.logits.float(), dim=-1).numpy())
+
+
+def load_sequences(rows: list[dict], features_dir: Path) -> list[Sequence]:
+    sequences = []
+    for row in rows:
+        data = np.load(feature_file(features_dir, row["id"]))
+        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]), torch.from_numpy(data["features"]),
+                                  torch.from_numpy(data["logsumexp"]).float()))
+    return sequences
+
+
+@dataclass
+class Batch:
+    """One step's worth of blocks: S sequences x A anchors x gamma slots (Q = A * gamma queries)."""
+
+    context_features: torch.Tensor  # [S, C, m * d] drafter feature layers, padded
+    anchor_tokens: torch.Tensor  # [S, A]
+    block_positions: torch.Tensor  # [S, Q] position of each block input (p + j)
+    mask: torch.Tensor  # [S, Q, C + Q] True where a query may attend
+    labels: torch.Tensor  # [S, A, gamma] target token of slot k (token at p + k)
+    previous_tokens: torch.Tensor  # [S, A, gamma] token before slot k (x_{k-1}; the anchor for k = 1)
+    target_hidden: torch.Tensor  # [S, A, gamma, d] target's last-layer output at p + k - 1
+    target_logsumexp: torch.Tensor  # [S, A, gamma]
+    valid: torch.Tensor  # [S, A, gamma] slot is supervised (real anchor, inside the sequence)
+
+
+def sample_anchors(sequence: Sequence, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Anchors p whose next token lies in the response: P-1 <= p <= T-2."""
+    first, last = sequence.prompt_length - 1, sequence.token_ids.numel() - 2
+    candidates = torch.arange(first, last + 1)
+    if candidates.numel() > num_anchors:
+        candidates = candidates[torch.randperm(candidates.numel(), generator=generator)[:num_anchors]].sort().values
+    return candidates
+
+
+def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num_feature_layers: int,
+               hidden_size: int, generator: torch.Generator) -> Batch:
+    S, A, G = len(sequences), num_anchors, block_size
+    Q = A * G
+    C = max(s.features.shape[0] for s in sequences)
+    feature_width = num_feature_layers * hidden_size
+    context = torch.zeros(S, C, feature_width, dtype=torch.float16)
+    anchor_tokens = torch.zeros(S, A, dtype=torch.long)
+    block_positions = torch.zeros(S, Q, dtype=torch.long)
+    mask = torch.zeros(S, Q, C + Q, dtype=torch.bool)
+    labels = torch.zeros(S, A, G, dtype=torch.long)
+    previous = torch.zeros(S, A, G, dtype=torch.long)
+    target_hidden = torch.zeros(S, A, G, hidden_size)
+    target_lse = torch.zeros(S, A, G)
+    valid = torch.zeros(S, A, G, dtype=torch.bool)
+    slots = torch.arange(G)
+    for s, seq in enumerate(sequences):
+        T = seq.token_ids.numel()
+        context[s, : seq.features.shape[0]] = seq.features[:, :feature_width]
+        anchors = sample_anchors(seq, A, generator)
+        for a, p in enumerate(anchors.tolist()):
+            rows = slice(a * G, (a + 1) * G)
+            block_positions[s, rows] = p + slots
+            mask[s, rows, :p] = True  # context strictly before the anchor
+            mask[s, rows, C + a * G : C + (a + 1) * G] = True  # its own block, both directions
+            targets = p + 1 + slots  # token positions predicted by slots 1..gamma
+            inside = targets <= T - 1
+            valid[s, a] = inside
+            labels[s, a] = torch.where(inside, seq.token_ids[targets.clamp(max=T - 1)], 0)
+            previous[s, a] = seq.token_ids[(targets - 1).clamp(max=T - 1)]
+            anchor_tokens[s, a] = seq.token_ids[p]
+            logit_positions = (targets - 1).clamp(max=T - 2)  # logits at p + k - 1 predict p + k
+            target_hidden[s, a] = seq.features[logit_positions, feature_width:].float()
+            target_lse[s, a] = seq.logsumexp[logit_positions - (seq.prompt_length - 1)]
+        # Padding anchors (short responses): attend to one context position so no row is empty.
+        for a in range(len(anchors), A):
+            mask[s, a * G : (a + 1) * G, 0] = True
+    return Batch(context, anchor_tokens, block_positions, mask, labels, previous, target_hidden, target_lse, valid)

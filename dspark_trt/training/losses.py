@@ -1,0 +1,88 @@
+"""The drafter training loss (DESIGN.md section 1):
+
+    loss = 0.1 * CE + 0.9 * sum_k w_k * ||p_draft_k - p_target_k||_1 + 1.0 * BCE(c_k, c*_k)
+    w_k = exp(-(k-1)/4),   c*_k = 1 - 0.5 * ||p_draft_k - p_target_k||_1
+
+`c*_k` is the exact probability that rejection sampling accepts draft slot k given its prefix.
+The draft distribution lives on the draft vocabulary D; the target's on the full vocabulary,
+so the L1 distance is `sum_{v in D} |p_d(v) - p_t(v)| + (1 - sum_{v in D} p_t(v))`, with
+`p_t(v) = exp(logit_v - logsumexp)` from the cached target hidden state and normaliser.
+DFlash baselines train on CE alone (their paper's recipe); every term is still reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.target import rms_norm
+from dspark_trt.training.data import Batch
+
+CE_WEIGHT, L1_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
+
+
+@dataclass
+class LossTerms:
+    total: torch.Tensor
+    ce: float
+    l1: float
+    bce: float
+    acceptance_per_position: list[float]  # mean c*_k per slot: teacher-forced acceptance rate
+
+
+def slot_weights(block_size: int) -> torch.Tensor:
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / 4.0)
+
+
+def draft_logits(drafter: DSparkDrafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced draft logits `[S, A, gamma, V_d]` and confidence logits `[S, A, gamma]`."""
+    S, A, G = batch.labels.shape
+    context = drafter.fuse_features(batch.context_features)  # [S, C, d]
+    C = context.shape[1]
+    context_kv = drafter.context_keys_values(context, torch.arange(C).expand(S, C))
+    block = drafter.block_inputs(batch.anchor_tokens, (S, A)).reshape(S, A * G, -1)
+    hidden = drafter.backbone(block, batch.block_positions, context_kv, batch.mask).view(S, A, G, -1)
+    logits = drafter.backbone_logits(hidden)
+    bias, confidence = drafter.teacher_forced_heads(hidden, drafter.to_draft[batch.previous_tokens])
+    return (logits if bias is None else logits + bias), confidence
+
+
+def target_probs_on_draft_vocab(drafter: DSparkDrafter, batch: Batch, target_final_norm: torch.Tensor,
+                                eps: float) -> torch.Tensor:
+    """p_target restricted to the draft vocabulary, `[S, A, gamma, V_d]` (rows sum to <= 1)."""
+    normed = rms_norm(batch.target_hidden, target_final_norm, eps)
+    return torch.exp(normed @ drafter.lm_head_t - batch.target_logsumexp[..., None]).clamp(max=1.0)
+
+
+def drafter_loss(drafter: DSparkDrafter, batch: Batch, target_final_norm: torch.Tensor, eps: float) -> LossTerms:
+    logits, confidence = draft_logits(drafter, batch)
+    with torch.no_grad():
+        p_target = target_probs_on_draft_vocab(drafter, batch, target_final_norm, eps)
+    log_p_draft = F.log_softmax(logits.float(), dim=-1)
+    p_draft = log_p_draft.exp()
+    outside_mass = (1.0 - p_target.sum(-1)).clamp(min=0.0)
+    l1 = (p_draft - p_target).abs().sum(-1) + outside_mass  # [S, A, gamma]
+    valid = batch.valid.float()
+    num_slots = valid.sum().clamp(min=1)
+    num_blocks = batch.valid[..., 0].float().sum().clamp(min=1)
+
+    label_ids = drafter.to_draft[batch.labels]
+    in_vocab = (label_ids < logits.shape[-1]) & batch.valid
+    ce_all = -log_p_draft.gather(-1, label_ids.clamp(max=logits.shape[-1] - 1)[..., None]).squeeze(-1)
+    ce = (ce_all * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+    l1_term = (l1 * slot_weights(logits.shape[2]) * valid).sum() / num_blocks
+
+    soft_label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+    bce = torch.zeros(())
+    if confidence is not None:
+        bce = (F.binary_cross_entropy_with_logits(confidence, soft_label, reduction="none") * valid).sum() / num_slots
+
+    if drafter.config.kind == "dflash":
+        total = ce
+    else:
+        total = CE_WEIGHT * ce + L1_WEIGHT * l1_term + BCE_WEIGHT * bce
+    per_position = ((soft_label * valid).sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)).tolist()
+    return LossTerms(total, float(ce.detach()), float(l1_term.detach()), float(bce.detach()), per_position)

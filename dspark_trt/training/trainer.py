@@ -1,0 +1,138 @@
+"""The drafter training loop: resumable, logged, checkpointed.
+
+    for step in steps:
+        sample S sequences, A anchors each -> Batch
+        loss = drafter_loss(drafter, batch)          (training/losses.py)
+        AdamW step (lr warm-up then cosine decay, gradient clip 1.0, no weight decay)
+        every `checkpoint_every` steps: save weights + optimizer + RNG state atomically
+
+The target is frozen and never runs here: its features come from the cache (`data.py`).
+A run folder holds `config.json` + `model.safetensors` (the drafter, loadable at any time),
+`training_state.pt` (what resuming needs) and `train_log.jsonl` (one line per logged step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.drafter_io import save_drafter
+from dspark_trt.models.loading import LoadedTarget
+from dspark_trt.training.data import Sequence, make_batch
+from dspark_trt.training.losses import drafter_loss
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    sequences_per_batch: int = 8
+    anchors_per_sequence: int = 16
+    learning_rate: float = 6e-4
+    warmup_fraction: float = 0.04
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 20
+
+
+def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
+    """A stable split by id: the same rows are held out (for calibration/validation) on every run."""
+    return int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def build_draft_vocab(rows: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The `size` most frequent target tokens of the training responses (plus `always`, e.g. EOS)."""
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = Counter(t for r in rows for t in r["response_ids"])
+    chosen = list(always)
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in always:
+            chosen.append(token)
+    filler = (t for t in range(vocab_size) if t not in set(chosen))
+    while len(chosen) < size:  # tiny datasets: pad with low ids
+        chosen.append(next(filler))
+    return torch.tensor(sorted(chosen))
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    warmup = max(1, int(config.steps * config.warmup_fraction))
+    if step < warmup:
+        return config.learning_rate * (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
+    return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_config: DrafterConfig,
+                  draft_vocab: torch.Tensor, config: TrainConfig, run_dir: Path,
+                  progress: bool = True, stop_at: int | None = None) -> DSparkDrafter:
+    """Train (or resume) until `config.steps`, or until step `stop_at` when given (the schedule
+    still spans `config.steps`, so a later call continues exactly where this one stopped)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / "training_state.pt"
+    torch.manual_seed(config.seed)
+    drafter = DSparkDrafter(drafter_config, draft_vocab).attach_target(target.model)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
+                                  weight_decay=0.0)
+    start_step, elapsed = 0, 0.0
+    generator = torch.Generator().manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    if state_path.is_file():  # resume
+        state = torch.load(state_path, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step, elapsed = state["step"], state["elapsed"]
+        generator.set_state(state["generator"])
+        rng.setstate(state["rng"])
+    final_norm, eps = target.model.final_norm.detach(), target.config.rms_norm_eps
+
+    def checkpoint(step: int):
+        torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "elapsed": elapsed, "generator": generator.get_state(), "rng": rng.getstate(),
+                    "train_config": asdict(config)}, state_path.with_suffix(".tmp"))
+        state_path.with_suffix(".tmp").replace(state_path)
+        save_drafter(drafter, run_dir / "drafter")
+
+    drafter.train()
+    bar = tqdm(total=config.steps, initial=start_step, desc=f"train {drafter_config.kind}", unit="step",
+               disable=not progress)
+    with open(run_dir / "train_log.jsonl", "a") as log:
+        for step in range(start_step, min(config.steps, stop_at or config.steps)):
+            began = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, config)
+            batch = make_batch(rng.sample(sequences, min(config.sequences_per_batch, len(sequences))),
+                               config.anchors_per_sequence, drafter_config.block_size,
+                               len(drafter_config.feature_layers), drafter_config.hidden_size, generator)
+            terms = drafter_loss(drafter, batch, final_norm, eps)
+            optimizer.zero_grad(set_to_none=True)
+            terms.total.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+            optimizer.step()
+            elapsed += time.perf_counter() - began
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(terms.total):.3f}", acc1=f"{terms.acceptance_per_position[0]:.2f}")
+            if (step + 1) % config.log_every == 0 or step == start_step:
+                log.write(json.dumps({"step": step + 1, "loss": float(terms.total), "ce": terms.ce, "l1": terms.l1,
+                                      "bce": terms.bce, "grad_norm": float(grad_norm), "lr": learning_rate(step, config),
+                                      "acceptance_per_position": terms.acceptance_per_position,
+                                      "elapsed_s": elapsed}) + "\n")
+                log.flush()
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 in (config.steps, stop_at):
+                checkpoint(step + 1)
+    bar.close()
+    return drafter.eval()

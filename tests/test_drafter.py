@@ -1,0 +1,211 @@
+"""The DSpark drafter: masks, losses, training, checkpoints, and exact speculative decoding."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dspark_trt import LLM, ModelLoadError, SamplingParams
+from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.drafter_io import load_drafter, save_drafter
+from dspark_trt.models.loading import load_target
+from dspark_trt.runtime.dspark_proposer import DSparkProposer
+from dspark_trt.training.data import Sequence, ensure_features, load_sequences, make_batch, read_rows
+from dspark_trt.training.datagen import DatagenConfig, generate_dataset
+from dspark_trt.training.losses import drafter_loss, draft_logits, slot_weights
+from dspark_trt.training.prompts import load_prompts
+from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, train_drafter
+
+FEATURE_LAYERS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return load_target(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def dataset(target, tmp_path_factory):
+    """Self-distilled rows and cached features from the tiny target."""
+    folder = tmp_path_factory.mktemp("data")
+    prompts = load_prompts("gsm8k-train", 8)
+    generate_dataset(target, prompts, folder / "rows.jsonl",
+                     DatagenConfig(max_tokens=24, batch_size=8, feature_layers=FEATURE_LAYERS), folder / "features")
+    rows = read_rows(folder / "rows.jsonl")
+    return rows, load_sequences(rows, folder / "features")
+
+
+def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=2048, **options):
+    config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
+                                      confidence=kind == "dspark", num_layers=1, markov_rank=16,
+                                      block_size=block_size, draft_vocab_size=vocab_size, **options)
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(config, torch.arange(vocab_size)).attach_target(target.model)
+    with torch.no_grad():  # non-zero sequential head so that it matters in the tests
+        if drafter.sequential is not None:
+            drafter.sequential.w2.weight.normal_(std=0.5)
+    return drafter
+
+
+def test_datagen_features_equal_a_fresh_target_pass(target, dataset, tmp_path):
+    rows, sequences = dataset
+    ensure_features(target, rows[:2], tmp_path, FEATURE_LAYERS)
+    fresh = load_sequences(rows[:2], tmp_path)
+    for a, b in zip(sequences[:2], fresh):
+        assert a.features.shape == b.features.shape == (a.token_ids.numel() - 1, 3 * target.config.hidden_size)
+        assert (a.features.float() - b.features.float()).abs().max() < 2e-2
+        assert (a.logsumexp - b.logsumexp).abs().max() < 1e-3
+
+
+def test_mask_block_sees_only_earlier_context_and_its_own_block(dataset):
+    _, sequences = dataset
+    batch = make_batch(sequences[:2], num_anchors=3, block_size=4, num_feature_layers=2, hidden_size=64,
+                       generator=torch.Generator().manual_seed(0))
+    C = batch.context_features.shape[1]
+    for s in range(2):
+        for a in range(3):
+            anchor = int(batch.block_positions[s, a * 4])
+            rows = batch.mask[s, a * 4 : (a + 1) * 4]
+            assert rows[:, :anchor].all() and not rows[:, anchor:C].any()
+            own = torch.zeros(12, dtype=torch.bool)
+            own[a * 4 : (a + 1) * 4] = True
+            assert torch.equal(rows[:, C:], own.expand(4, 12))
+
+
+def test_a_block_ignores_later_context_and_other_blocks(target, dataset):
+    """Changing features at or after the anchor, or another block's anchor, leaves a block's
+    logits unchanged; changing an earlier feature changes them."""
+    _, sequences = dataset
+    drafter = make_drafter(target).eval()
+    batch = make_batch(sequences[:1], num_anchors=2, block_size=4, num_feature_layers=2, hidden_size=64,
+                       generator=torch.Generator().manual_seed(1))
+    first_anchor, second_anchor = int(batch.block_positions[0, 0]), int(batch.block_positions[0, 4])
+    with torch.no_grad():
+        base, _ = draft_logits(drafter, batch)
+        batch.context_features[0, first_anchor:] += 5.0
+        batch.anchor_tokens[0, 1] = (batch.anchor_tokens[0, 1] + 1) % 2048
+        changed, _ = draft_logits(drafter, batch)
+        assert torch.allclose(base[0, 0], changed[0, 0], atol=1e-5)
+        assert not torch.allclose(base[0, 1], changed[0, 1], atol=1e-3)
+        batch.context_features[0, first_anchor - 1] += 5.0
+        earlier, _ = draft_logits(drafter, batch)
+        assert not torch.allclose(base[0, 0], earlier[0, 0], atol=1e-3)
+    assert second_anchor > first_anchor
+
+
+def test_loss_terms_on_a_hand_checked_case(target):
+    """One block, gamma 2, a 4-token draft vocabulary: compare every term with hand arithmetic."""
+    drafter = make_drafter(target, block_size=2, vocab_size=4)
+    config = drafter.config
+    # Draft logits: slot 1 uniform over D; slot 2 all mass on token 1 (logit 30).
+    draft = torch.tensor([[[[0.0, 0.0, 0.0, 0.0], [0.0, 30.0, 0.0, 0.0]]]])
+    p_target = torch.tensor([[[[0.4, 0.2, 0.2, 0.0], [0.0, 0.5, 0.0, 0.0]]]])  # 0.2 and 0.5 outside D
+    confidence_logits = torch.tensor([[[0.0, 2.0]]])
+    labels = torch.tensor([[[0, 1]]])
+    from dspark_trt.training import losses
+
+    class FakeBatch:  # only what drafter_loss reads after draft_logits / target probs
+        valid = torch.ones(1, 1, 2, dtype=torch.bool)
+
+    FakeBatch.labels = labels
+    original_logits, original_target = losses.draft_logits, losses.target_probs_on_draft_vocab
+    losses.draft_logits = lambda d, b: (draft, confidence_logits)
+    losses.target_probs_on_draft_vocab = lambda d, b, n, e: p_target
+    try:
+        terms = drafter_loss(drafter, FakeBatch(), None, 0.0)
+    finally:
+        losses.draft_logits, losses.target_probs_on_draft_vocab = original_logits, original_target
+    l1_1 = abs(0.25 - 0.4) + abs(0.25 - 0.2) + abs(0.25 - 0.2) + abs(0.25 - 0.0) + 0.2  # = 0.7
+    l1_2 = abs(1.0 - 0.5) + 0.5  # draft puts 1.0 on token 1; target 0.5 there and 0.5 outside D
+    assert math.isclose(terms.l1, l1_1 * 1.0 + l1_2 * math.exp(-1 / 4), rel_tol=1e-4)
+    ce = (-math.log(0.25) + 0.0) / 2
+    assert math.isclose(terms.ce, ce, abs_tol=1e-4)
+    c1, c2 = 1 - 0.5 * l1_1, 1 - 0.5 * l1_2
+    bce = lambda z, y: -(y * math.log(1 / (1 + math.exp(-z))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-z))))
+    assert math.isclose(terms.bce, (bce(0.0, c1) + bce(2.0, c2)) / 2, rel_tol=1e-4)
+    assert terms.acceptance_per_position == pytest.approx([c1, c2], rel=1e-4)
+    assert math.isclose(float(terms.total), 0.1 * terms.ce + 0.9 * terms.l1 + terms.bce, rel_tol=1e-5)
+    assert slot_weights(3).tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5)])
+
+
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+def test_short_training_run_lowers_the_loss(target, dataset, tmp_path, kind, head):
+    rows, sequences = dataset
+    config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
+                                      confidence=kind == "dspark", num_layers=1, markov_rank=16, block_size=4,
+                                      draft_vocab_size=1024)
+    vocab = build_draft_vocab(rows, 1024, target.config.vocab_size, set(target.eos_token_ids))
+    fixed = sequences[:2]  # overfit two sequences: the loss must fall far
+    train = TrainConfig(steps=60, sequences_per_batch=2, anchors_per_sequence=8, learning_rate=3e-3,
+                        checkpoint_every=30, log_every=1)
+    train_drafter(target, fixed, config, vocab, train, tmp_path / "run", progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    loaded = load_drafter(tmp_path / "run" / "drafter", target)
+    assert loaded.config.kind == kind
+
+
+def test_training_resumes_from_its_checkpoint(target, dataset, tmp_path):
+    rows, sequences = dataset
+    config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, num_layers=1, markov_rank=16,
+                                      block_size=4, draft_vocab_size=1024)
+    vocab = build_draft_vocab(rows, 1024, target.config.vocab_size, set())
+    train_drafter(target, sequences, config, vocab, TrainConfig(steps=20, checkpoint_every=10, sequences_per_batch=2,
+                                                                anchors_per_sequence=4), tmp_path / "a", progress=False,
+                  stop_at=10)  # "interrupted" half way
+    assert torch.load(tmp_path / "a" / "training_state.pt", weights_only=False)["step"] == 10
+    train_drafter(target, sequences, config, vocab, TrainConfig(steps=20, checkpoint_every=10, sequences_per_batch=2,
+                                                                anchors_per_sequence=4), tmp_path / "a", progress=False)
+    straight = train_drafter(target, sequences, config, vocab,
+                             TrainConfig(steps=20, checkpoint_every=10, sequences_per_batch=2, anchors_per_sequence=4),
+                             tmp_path / "b", progress=False)
+    resumed = load_drafter(tmp_path / "a" / "drafter", target)
+    for (name, a), b in zip(resumed.state_dict().items(), straight.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+def test_greedy_speculative_decoding_with_a_drafter_equals_plain(tiny_llama, target, tmp_path, kind, head):
+    drafter = make_drafter(target, kind=kind, head=head)
+    save_drafter(drafter, tmp_path / "drafter")
+    prompts = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = LLM(target=tiny_llama).generate(prompts, params)
+    speculative = LLM(target=tiny_llama, drafter=tmp_path / "drafter").generate(prompts, params)
+    for a, b in zip(plain, speculative):
+        assert a.token_ids == b.token_ids
+        assert b.metrics["num_draft_tokens"] > 0
+
+
+def test_drafter_for_another_target_is_refused(tiny_factory, target, tmp_path):
+    save_drafter(make_drafter(target), tmp_path / "drafter")
+    other = load_target(tiny_factory("llama", seed=0, hidden_size=32, intermediate_size=64))
+    with pytest.raises(ModelLoadError, match="hidden size 64"):
+        load_drafter(tmp_path / "drafter", other)
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    config["surprise"] = 1
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unknown drafter config keys"):
+        load_drafter(tmp_path / "drafter", target)
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_drafter(tmp_path / "nowhere", target)
+
+
+def test_proposer_context_follows_the_target_cache(tiny_llama, target, tmp_path):
+    """After every step the drafter's context covers exactly the positions in the target's cache."""
+    save_drafter(make_drafter(target), tmp_path / "drafter")
+    llm = LLM(target=tiny_llama, drafter=tmp_path / "drafter", max_batch_tokens=16)  # chunked prefill
+    proposer = llm.engine.proposer
+    request = llm.engine.add_request(llm.encode("A prompt long enough to need two prefill chunks here"),
+                                     SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while not request.finished:
+        llm.engine.step()
+        if not request.finished:
+            assert proposer.contexts[request.request_id].length == request.cache.length
+            if request.stats.num_steps:
+                assert proposer.last_confidences[request.request_id].shape == (4,)
+    assert request.request_id not in proposer.contexts  # released with the request
