@@ -116,6 +116,87 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     click.echo(f"wrote {added} new rows to {output} ({len(prompts)} prompts in all)")
 
 
+@main.command()
+@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="JSONL rows written by `dspark-trt datagen`.")
+@click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Target feature cache (filled from the target for rows that lack features).")
+@click.option("--target", default="default", show_default=True, help="The target the data came from.")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Run folder: checkpoints, training state and log; an existing run resumes.")
+@click.option("--kind", type=click.Choice(["dspark", "dflash"]), default="dspark", show_default=True)
+@click.option("--head", type=click.Choice(["markov", "rnn", "none"]), default=None,
+              help="Sequential head (default: markov for dspark, none for dflash).")
+@click.option("--block-size", type=int, default=7, show_default=True, help="gamma: tokens drafted per block.")
+@click.option("--num-layers", type=int, default=2, show_default=True, help="Backbone layers.")
+@click.option("--draft-vocab", type=int, default=8192, show_default=True, help="Draft vocabulary size (0 = all).")
+@click.option("--feature-layers", default=None, help="Target layers (default: 4 spread over [1, L-3]).")
+@click.option("--steps", type=int, default=2000, show_default=True)
+@click.option("--stop-at", type=int, default=None, help="Stop (resumably) at this step of the schedule.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
+@click.option("--anchors", type=int, default=16, show_default=True, help="Anchors (blocks) per sequence.")
+@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
+          steps, stop_at, batch_size, anchors, lr, seed):
+    """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
+    from dspark_trt.models.drafter_config import DrafterConfig
+    from dspark_trt.models.features import default_feature_layers
+    from dspark_trt.models.loading import load_target
+    from dspark_trt.training.data import ensure_features, load_sequences, read_rows
+    from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, is_held_out, train_drafter
+
+    loaded = load_target(target)
+    layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
+              else default_feature_layers(loaded.config.num_layers))
+    rows = [r for r in read_rows(data_path) if not is_held_out(r["id"])]
+    if not rows:
+        raise click.BadParameter(f"{data_path} has no training rows", param_hint="--data")
+    ensure_features(loaded, rows, features_dir, layers)
+    sequences = load_sequences(rows, features_dir)
+    config = DrafterConfig.for_target(loaded.name, loaded.config, layers, kind=kind,
+                                      head=head or ("markov" if kind == "dspark" else "none"),
+                                      confidence=kind == "dspark", block_size=block_size, num_layers=num_layers,
+                                      draft_vocab_size=draft_vocab)
+    vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
+    train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
+                               learning_rate=lr, seed=seed)
+    train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at)
+    click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
+
+
+@main.command()
+@click.option("--drafter", "drafter_path", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Drafter checkpoint folder to calibrate (updated in place).")
+@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="datagen JSONL; only the held-out rows (5%, by id) are used.")
+@click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--target", default="default", show_default=True)
+def calibrate(drafter_path, data_path, features_dir, target):
+    """Fit sequential temperature scaling (STS) of the confidence head on held-out data."""
+    from dspark_trt.models.drafter_io import load_drafter, save_drafter
+    from dspark_trt.models.loading import load_target
+    from dspark_trt.training.calibrate import collect_confidences, fit_sts
+    from dspark_trt.training.data import ensure_features, load_sequences, read_rows
+    from dspark_trt.training.trainer import is_held_out
+
+    loaded = load_target(target)
+    drafter = load_drafter(drafter_path, loaded)
+    rows = [r for r in read_rows(data_path) if is_held_out(r["id"])]
+    if not rows:
+        raise click.BadParameter(f"{data_path} has no held-out rows", param_hint="--data")
+    ensure_features(loaded, rows, features_dir, drafter.config.feature_layers)
+    logits, accepted = collect_confidences(drafter, load_sequences(rows, features_dir),
+                                           loaded.model.final_norm.detach(), loaded.config.rms_norm_eps)
+    report = fit_sts(logits, accepted)
+    drafter.config.confidence_temperatures = report.temperatures
+    save_drafter(drafter, drafter_path)
+    click.echo(f"{logits.shape[0]} held-out blocks from {len(rows)} rows")
+    click.echo("position  temperature  ECE before  ECE after  AUC")
+    for k, (t, b, a, u) in enumerate(zip(report.temperatures, report.ece_before, report.ece_after, report.auc), 1):
+        click.echo(f"{k:8d}  {t:11.2f}  {b:10.4f}  {a:9.4f}  {u:.3f}")
+
+
 def interleave(prompt_sets: list[list]) -> list:
     """Round-robin over the sets, so a partial run already covers every domain."""
     from itertools import chain, zip_longest

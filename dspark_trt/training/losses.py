@@ -57,14 +57,18 @@ def target_probs_on_draft_vocab(drafter: DSparkDrafter, batch: Batch, target_fin
     return torch.exp(normed @ drafter.lm_head_t - batch.target_logsumexp[..., None]).clamp(max=1.0)
 
 
+def l1_to_target(log_p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
+    """||p_draft - p_target||_1 per slot, `[...]`, with p_draft on D and p_target's mass outside D."""
+    outside_mass = (1.0 - p_target.sum(-1)).clamp(min=0.0)
+    return (log_p_draft.exp() - p_target).abs().sum(-1) + outside_mass
+
+
 def drafter_loss(drafter: DSparkDrafter, batch: Batch, target_final_norm: torch.Tensor, eps: float) -> LossTerms:
     logits, confidence = draft_logits(drafter, batch)
     with torch.no_grad():
         p_target = target_probs_on_draft_vocab(drafter, batch, target_final_norm, eps)
     log_p_draft = F.log_softmax(logits.float(), dim=-1)
-    p_draft = log_p_draft.exp()
-    outside_mass = (1.0 - p_target.sum(-1)).clamp(min=0.0)
-    l1 = (p_draft - p_target).abs().sum(-1) + outside_mass  # [S, A, gamma]
+    l1 = l1_to_target(log_p_draft, p_target)  # [S, A, gamma]
     valid = batch.valid.float()
     num_slots = valid.sum().clamp(min=1)
     num_blocks = batch.valid[..., 0].float().sum().clamp(min=1)

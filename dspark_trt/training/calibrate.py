@@ -1,0 +1,103 @@
+"""Sequential temperature scaling (STS) of the confidence head.
+
+The scheduler multiplies confidences into prefix survival probabilities `a_k = prod_{i<=k} c_i`,
+so they must be calibrated as *absolute* probabilities. STS fits one temperature per block
+position, in order k = 1..gamma: with T_1..T_{k-1} fixed, grid-search T_k to minimise the
+expected calibration error (ECE) of the cumulative product `a_k` against the observed prefix
+survival. Labels may be soft (expected acceptance, exact under rejection sampling) or 0/1.
+
+Also reports AUC per position (how well c_k ranks accepted above rejected slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TEMPERATURE_GRID = torch.cat([torch.linspace(0.25, 1.0, 16), torch.linspace(1.1, 6.0, 50)])
+
+
+def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor, bins: int = 15) -> float:
+    """Weighted mean |mean predicted - mean observed| over equal-width probability bins."""
+    predicted, observed = predicted.flatten().double(), observed.flatten().double()
+    index = (predicted * bins).long().clamp(max=bins - 1)
+    total = 0.0
+    for b in range(bins):
+        chosen = index == b
+        if chosen.any():
+            total += chosen.sum().item() * abs(predicted[chosen].mean().item() - observed[chosen].mean().item())
+    return total / max(1, predicted.numel())
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Probability that a random positive outscores a random negative (ties count half)."""
+    positives, negatives = scores[labels > 0.5], scores[labels <= 0.5]
+    if not len(positives) or not len(negatives):
+        return float("nan")
+    ranks = torch.cat([positives, negatives]).argsort().argsort().double() + 1
+    # average ranks of ties
+    values = torch.cat([positives, negatives])
+    for value in values.unique():
+        tied = values == value
+        if tied.sum() > 1:
+            ranks[tied] = ranks[tied].mean()
+    positive_rank_sum = ranks[: len(positives)].sum().item()
+    return (positive_rank_sum - len(positives) * (len(positives) + 1) / 2) / (len(positives) * len(negatives))
+
+
+@dataclass
+class CalibrationReport:
+    temperatures: list[float]
+    ece_before: list[float]  # per position, of the cumulative product a_k
+    ece_after: list[float]
+    auc: list[float]  # per position, of c_k against the slot's own acceptance
+
+
+def fit_sts(logits: torch.Tensor, accepted: torch.Tensor) -> CalibrationReport:
+    """logits `[blocks, gamma]` confidence logits; accepted `[blocks, gamma]` per-slot acceptance
+    (probability or 0/1) given the prefix. Prefix survival is the running product of `accepted`."""
+    survival = accepted.double().cumprod(-1)
+    gamma = logits.shape[1]
+    temperatures: list[float] = []
+    ece_before, ece_after, aucs = [], [], []
+    running = torch.ones(logits.shape[0], dtype=torch.float64)
+    for k in range(gamma):
+        uncalibrated = torch.sigmoid(logits[:, : k + 1].double()).prod(-1)
+        ece_before.append(expected_calibration_error(uncalibrated, survival[:, k]))
+        errors = [expected_calibration_error(running * torch.sigmoid(logits[:, k].double() / t), survival[:, k])
+                  for t in TEMPERATURE_GRID.tolist()]
+        best = int(torch.tensor(errors).argmin())
+        temperatures.append(float(TEMPERATURE_GRID[best]))
+        running = running * torch.sigmoid(logits[:, k].double() / temperatures[-1])
+        ece_after.append(errors[best])
+        reached = survival[:, k - 1] > 0.5 if k else torch.ones_like(running, dtype=torch.bool)
+        aucs.append(auc(logits[reached, k].double(), accepted[reached, k].double()))
+    return CalibrationReport(temperatures, ece_before, ece_after, aucs)
+
+
+@torch.no_grad()
+def collect_confidences(drafter, sequences, target_final_norm: torch.Tensor, eps: float, anchors: int = 32,
+                        batch_size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced confidence logits and exact acceptance probabilities `[blocks, gamma]` of
+    every full block of held-out sequences."""
+    import torch.nn.functional as F
+
+    from dspark_trt.training.data import make_batch
+    from dspark_trt.training.losses import draft_logits, l1_to_target, target_probs_on_draft_vocab
+
+    generator = torch.Generator().manual_seed(seed)
+    config = drafter.config
+    all_logits, all_accepted = [], []
+    for start in range(0, len(sequences), batch_size):
+        batch = make_batch(sequences[start : start + batch_size], anchors, config.block_size,
+                           len(config.feature_layers), config.hidden_size, generator)
+        logits, confidence = draft_logits(drafter, batch)
+        if confidence is None:
+            raise ValueError("this drafter has no confidence head to calibrate")
+        p_target = target_probs_on_draft_vocab(drafter, batch, target_final_norm, eps)
+        accepted = (1.0 - 0.5 * l1_to_target(F.log_softmax(logits.float(), -1), p_target)).clamp(0.0, 1.0)
+        full = batch.valid.all(-1)  # blocks whose every slot lies inside the sequence
+        all_logits.append(confidence[full])
+        all_accepted.append(accepted[full])
+    return torch.cat(all_logits), torch.cat(all_accepted)
