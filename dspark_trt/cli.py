@@ -197,6 +197,41 @@ def calibrate(drafter_path, data_path, features_dir, target):
         click.echo(f"{k:8d}  {t:11.2f}  {b:10.4f}  {a:9.4f}  {u:.3f}")
 
 
+@main.command("eval")
+@click.option("--drafter", "drafter_spec", default="default", show_default=True,
+              help="Drafter checkpoint folder, or 'default' (the committed DSpark drafter).")
+@click.option("--target", default="default", show_default=True)
+@click.option("--dataset", default="mt-bench", show_default=True,
+              help="mt-bench, humaneval, gsm8k, or a JSONL path (prompt/question/instruction/turns/messages).")
+@click.option("--num-prompts", type=int, default=None, help="First N prompts (default: all).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Requests in flight at once.")
+@click.option("--no-plain", is_flag=True, help="Skip the plain-decoding comparison run.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the JSON here.")
+def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, max_tokens, seed, batch_size, no_plain,
+                     output):
+    """Measure acceptance length (tau), per-position acceptance and speed-up on a dataset."""
+    from dspark_trt import LLM, SamplingParams
+    from dspark_trt.training.evaluate import evaluate
+    from dspark_trt.training.prompts import load_prompts
+
+    base = SamplingParams(max_tokens=max_tokens, temperature=temperature)  # validates before loading models
+    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1))
+    prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, num_prompts)]
+    params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, seed=seed + i)
+              for i in range(len(prompts))]
+    result = {"dataset": dataset, "drafter": str(drafter_spec), "drafter_kind": llm.engine.proposer.drafter.config.kind,
+              "target": llm.target.name, "temperature": temperature, "max_tokens": max_tokens, "seed": seed,
+              **evaluate(llm, prompts, params, batch_size, compare_plain=not no_plain)}
+    text = json.dumps(result, indent=2)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+    click.echo(text)
+
+
 def interleave(prompt_sets: list[list]) -> list:
     """Round-robin over the sets, so a partial run already covers every domain."""
     from itertools import chain, zip_longest
