@@ -124,7 +124,9 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 @click.option("--target", default="default", show_default=True, help="The target the data came from.")
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Run folder: checkpoints, training state and log; an existing run resumes.")
-@click.option("--kind", type=click.Choice(["dspark", "dflash"]), default="dspark", show_default=True)
+@click.option("--kind", type=click.Choice(["dspark", "dflash", "eagle3", "mtp1"]), default="dspark", show_default=True,
+              help="dspark; baselines: dflash (no sequential/confidence head), eagle3 (1-layer autoregressive, "
+                   "training-time test), mtp1 (one draft token).")
 @click.option("--head", type=click.Choice(["markov", "rnn", "none"]), default=None,
               help="Sequential head (default: markov for dspark, none for dflash).")
 @click.option("--block-size", type=int, default=7, show_default=True, help="gamma: tokens drafted per block.")
@@ -156,7 +158,8 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     sequences = load_sequences(rows, features_dir)
     config = DrafterConfig.for_target(loaded.name, loaded.config, layers, kind=kind,
                                       head=head or ("markov" if kind == "dspark" else "none"),
-                                      confidence=kind == "dspark", block_size=block_size, num_layers=num_layers,
+                                      confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
+                                      num_layers=1 if kind in ("eagle3", "mtp1") else num_layers,
                                       draft_vocab_size=draft_vocab)
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,

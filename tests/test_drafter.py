@@ -9,7 +9,7 @@ import torch
 from dspark_trt import LLM, ModelLoadError, SamplingParams
 from dspark_trt.models.drafter import DSparkDrafter
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.drafter_io import load_drafter, save_drafter
+from dspark_trt.models.drafter_io import build_drafter, load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
 from dspark_trt.runtime.dspark_proposer import DSparkProposer
 from dspark_trt.training.data import Sequence, ensure_features, load_sequences, make_batch, read_rows
@@ -38,13 +38,15 @@ def dataset(target, tmp_path_factory):
 
 
 def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=2048, **options):
+    if kind == "mtp1":
+        block_size = 1
     config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
                                       confidence=kind == "dspark", num_layers=1, markov_rank=16,
                                       block_size=block_size, draft_vocab_size=vocab_size, **options)
     torch.manual_seed(0)
-    drafter = DSparkDrafter(config, torch.arange(vocab_size)).attach_target(target.model)
+    drafter = build_drafter(config, torch.arange(vocab_size)).attach_target(target.model)
     with torch.no_grad():  # non-zero sequential head so that it matters in the tests
-        if drafter.sequential is not None:
+        if getattr(drafter, "sequential", None) is not None:
             drafter.sequential.w2.weight.normal_(std=0.5)
     return drafter
 
@@ -130,12 +132,15 @@ def test_loss_terms_on_a_hand_checked_case(target):
     assert slot_weights(3).tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5)])
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+ALL_KINDS = [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none"), ("mtp1", "none")]
+
+
+@pytest.mark.parametrize("kind, head", ALL_KINDS)
 def test_short_training_run_lowers_the_loss(target, dataset, tmp_path, kind, head):
     rows, sequences = dataset
     config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
-                                      confidence=kind == "dspark", num_layers=1, markov_rank=16, block_size=4,
-                                      draft_vocab_size=1024)
+                                      confidence=kind == "dspark", num_layers=1, markov_rank=16,
+                                      block_size=1 if kind == "mtp1" else 4, draft_vocab_size=1024)
     vocab = build_draft_vocab(rows, 1024, target.config.vocab_size, set(target.eos_token_ids))
     fixed = sequences[:2]  # overfit two sequences: the loss must fall far
     train = TrainConfig(steps=60, sequences_per_batch=2, anchors_per_sequence=8, learning_rate=3e-3,
@@ -168,7 +173,7 @@ def test_training_resumes_from_its_checkpoint(target, dataset, tmp_path):
         assert torch.allclose(a, b, atol=1e-5), name
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+@pytest.mark.parametrize("kind, head", ALL_KINDS)
 def test_greedy_speculative_decoding_with_a_drafter_equals_plain(tiny_llama, target, tmp_path, kind, head):
     drafter = make_drafter(target, kind=kind, head=head)
     save_drafter(drafter, tmp_path / "drafter")
@@ -209,3 +214,27 @@ def test_proposer_context_follows_the_target_cache(tiny_llama, target, tmp_path)
             if request.stats.num_steps:
                 assert proposer.last_confidences[request.request_id].shape == (4,)
     assert request.request_id not in proposer.contexts  # released with the request
+
+
+def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):
+    """The cached, incremental drafting at inference equals training-time test on the same tokens:
+    the first draft token's logits at the pending position agree."""
+    _, sequences = dataset
+    drafter = make_drafter(target, kind="eagle3").eval()
+    from dspark_trt.runtime.eagle_proposer import EagleProposer
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.runtime.sampling import SamplingParams as SP
+
+    seq = sequences[0]
+    p = seq.prompt_length + 3  # pending position
+    request = Request("r", seq.token_ids[: seq.prompt_length].tolist(), SP(temperature=0.0), torch.Generator())
+    request.output_token_ids = seq.token_ids[seq.prompt_length : p + 1].tolist()
+    proposer = EagleProposer(drafter)
+    request.new_features = seq.features[:p, : 2 * 64]
+    proposer.observe(request)
+    with torch.no_grad():
+        fused = drafter.fuse_features(seq.features[None, :, : 2 * 64].float())
+        fused = torch.cat([fused, torch.zeros_like(fused[:, :1])], dim=1)
+        unrolled = drafter.training_time_test(seq.token_ids[None], fused, torch.tensor([[p]]), 1)
+        incremental = drafter.logits(proposer.states["r"].last_output)
+    assert torch.allclose(unrolled[0, 0, 0], incremental[0, 0], atol=1e-4)

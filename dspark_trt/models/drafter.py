@@ -50,6 +50,22 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     return angles.cos(), angles.sin()
 
 
+class FeatureFusion(nn.Module):
+    """Target features `[..., m * d]` (m layers) -> context states `[..., d]`: each layer's
+    output RMS-normalised (target layers differ in scale by orders of magnitude), concatenated,
+    projected, normalised again."""
+
+    def __init__(self, num_layers: int, hidden_size: int, eps: float):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(hidden_size, eps) for _ in range(num_layers))
+        self.project = nn.Linear(num_layers * hidden_size, hidden_size, bias=False)
+        self.norm = RMSNorm(hidden_size, eps)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        parts = features.float().chunk(len(self.norms), dim=-1)
+        return self.norm(self.project(torch.cat([norm(part) for norm, part in zip(self.norms, parts)], dim=-1)))
+
+
 class DraftLayer(nn.Module):
     """One backbone layer: block queries attend to injected context keys/values and the block."""
 
@@ -71,9 +87,10 @@ class DraftLayer(nn.Module):
         return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_keys: torch.Tensor,
-                context_values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                context_values: torch.Tensor, mask: torch.Tensor | None, return_kv: bool = False):
         """x: block states `[batch, queries, d]`; context keys/values `[batch, kv_heads, ctx, head_dim]`;
-        mask: `[batch, queries, ctx + queries]` (True = visible) or None for all-visible."""
+        mask: `[batch, queries, ctx + queries]` (True = visible) or None for all-visible.
+        With `return_kv`, also returns the block's own keys/values (autoregressive drafters cache them)."""
         h = self.attn_norm(x)
         q = apply_rope(self.q(h).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin).transpose(1, 2)
         block_keys, block_values = self.keys_values(h, cos, sin)
@@ -83,7 +100,8 @@ class DraftLayer(nn.Module):
                                               enable_gqa=True)  # [batch, heads, queries, head_dim]
         x = x + self.o(attn.transpose(1, 2).flatten(-2))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        out = x + self.down(F.silu(gate) * up)
+        return (out, (block_keys, block_values)) if return_kv else out
 
 
 class MarkovHead(nn.Module):
@@ -115,25 +133,45 @@ class RNNHead(nn.Module):
         return self.w2(state), state
 
 
-class DSparkDrafter(nn.Module):
+class DrafterBase(nn.Module):
+    """What every drafter has: the draft vocabulary, feature fusion, a final norm, and the
+    target's embedding and LM head (borrowed, frozen, never saved)."""
+
     def __init__(self, config: DrafterConfig, draft_vocab: torch.Tensor):
-        """draft_vocab: `[draft_vocab_size]` target token ids the drafter can propose."""
         super().__init__()
         self.config = config
-        d, num_features = config.hidden_size, len(config.feature_layers)
+        d = config.hidden_size
         vocab_size = draft_vocab.numel()
         self.register_buffer("draft_vocab", draft_vocab.long().clone())
         # target id -> draft id, or `vocab_size` for tokens outside the draft vocabulary
         to_draft = torch.full((config.target_vocab_size,), vocab_size, dtype=torch.long)
         to_draft[draft_vocab.long()] = torch.arange(vocab_size)
         self.register_buffer("to_draft", to_draft, persistent=False)
+        self.fusion = FeatureFusion(len(config.feature_layers), d, config.rms_norm_eps)
+        self.final_norm = RMSNorm(d, config.rms_norm_eps)
+        self.embed: torch.Tensor | None = None  # [target_vocab, d]
+        self.lm_head_t: torch.Tensor | None = None  # [d, draft_vocab]
 
-        self.feature_norms = nn.ModuleList(RMSNorm(d, config.rms_norm_eps) for _ in range(num_features))
-        self.fuse = nn.Linear(num_features * d, d, bias=False)
-        self.fuse_norm = RMSNorm(d, config.rms_norm_eps)
+    def attach_target(self, target_model) -> "DrafterBase":
+        """Borrow the target's embedding and the draft-vocabulary rows of its LM head."""
+        self.embed = target_model.embed.detach()
+        self.lm_head_t = target_model.lm_head.weight_t.detach()[:, self.draft_vocab].contiguous()
+        if self.final_norm.weight.data.eq(1).all():  # fresh drafter: start from the target's final norm
+            self.final_norm.weight.data.copy_(target_model.final_norm.detach())
+        return self
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features `[..., m * d]` (m layers) -> context states `[..., d]`."""
+        return self.fusion(features)
+
+
+class DSparkDrafter(DrafterBase):
+    def __init__(self, config: DrafterConfig, draft_vocab: torch.Tensor):
+        """draft_vocab: `[draft_vocab_size]` target token ids the drafter can propose."""
+        super().__init__(config, draft_vocab)
+        d, vocab_size = config.hidden_size, draft_vocab.numel()
         self.mask_embedding = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
-        self.final_norm = RMSNorm(d, config.rms_norm_eps)
 
         self.previous_embedding = None  # W1 over the draft vocabulary plus one out-of-vocabulary row
         self.sequential = None
@@ -148,25 +186,7 @@ class DSparkDrafter(nn.Module):
         if config.confidence:
             self.confidence = nn.Linear(d + config.markov_rank, 1)
 
-        # Shared with the target, frozen, never saved: set by `attach_target`.
-        self.embed: torch.Tensor | None = None  # [target_vocab, d]
-        self.lm_head_t: torch.Tensor | None = None  # [d, draft_vocab]
-
-    def attach_target(self, target_model) -> "DSparkDrafter":
-        """Borrow the target's embedding and the draft-vocabulary rows of its LM head."""
-        self.embed = target_model.embed.detach()
-        self.lm_head_t = target_model.lm_head.weight_t.detach()[:, self.draft_vocab].contiguous()
-        if self.final_norm.weight.data.eq(1).all():  # fresh drafter: start from the target's final norm
-            self.final_norm.weight.data.copy_(target_model.final_norm.detach())
-        return self
-
     # ---- the backbone ------------------------------------------------------------------------
-
-    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features `[..., m * d]` (m layers) -> context states `[..., d]`."""
-        parts = features.float().chunk(len(self.feature_norms), dim=-1)
-        normed = [norm(part) for norm, part in zip(self.feature_norms, parts)]
-        return self.fuse_norm(self.fuse(torch.cat(normed, dim=-1)))
 
     def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer keys/values `[batch, kv_heads, n, head_dim]` of context states `[batch, n, d]`."""

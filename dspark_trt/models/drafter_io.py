@@ -15,15 +15,23 @@ from pathlib import Path
 import torch
 
 from dspark_trt.errors import ModelLoadError
-from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter import DrafterBase, DSparkDrafter
 from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.loading import LoadedTarget
 
 # Where `drafter="default"` points: the DSpark drafter trained for the embedded default target.
 DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct" / "dspark"
 
 
-def save_drafter(drafter: DSparkDrafter, folder: Path, dtype: torch.dtype = torch.float32,
+def build_drafter(config: DrafterConfig, draft_vocab: torch.Tensor) -> DrafterBase:
+    """A fresh drafter of the config's kind."""
+    if config.kind in ("eagle3", "mtp1"):
+        return EagleDrafter(config, draft_vocab)
+    return DSparkDrafter(config, draft_vocab)
+
+
+def save_drafter(drafter: DrafterBase, folder: Path, dtype: torch.dtype = torch.float32,
                  extra_files: dict[str, str] | None = None) -> None:
     """Write atomically: a crash mid-save leaves the previous checkpoint intact."""
     from safetensors.torch import save_file
@@ -49,7 +57,7 @@ def save_drafter(drafter: DSparkDrafter, folder: Path, dtype: torch.dtype = torc
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DSparkDrafter:
+def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
     from safetensors.torch import load_file
 
     folder = DEFAULT_DRAFTER_DIR if str(spec) == "default" else Path(spec)
@@ -66,7 +74,7 @@ def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DSparkDrafter
         raise ModelLoadError(f"corrupt drafter weights in {folder}: {exc}") from None
     if "draft_vocab" not in state:
         raise ModelLoadError(f"{folder}/model.safetensors lacks the draft vocabulary")
-    drafter = DSparkDrafter(config, state["draft_vocab"])
+    drafter = build_drafter(config, state["draft_vocab"])
     try:
         drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     except RuntimeError as exc:

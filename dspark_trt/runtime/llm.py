@@ -59,9 +59,12 @@ class LLM:
         proposer = drafter
         if isinstance(drafter, (str, os.PathLike)):
             from dspark_trt.models.drafter_io import load_drafter
+            from dspark_trt.models.eagle import EagleDrafter
             from dspark_trt.runtime.dspark_proposer import DSparkProposer
+            from dspark_trt.runtime.eagle_proposer import EagleProposer
 
-            proposer = DSparkProposer(load_drafter(drafter, self.target))
+            model = load_drafter(drafter, self.target)
+            proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
         self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
 
     # ---- prompts ----------------------------------------------------------------------------

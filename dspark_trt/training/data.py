@@ -90,6 +90,7 @@ class Batch:
     target_hidden: torch.Tensor  # [S, A, gamma, d] target's last-layer output at p + k - 1
     target_logsumexp: torch.Tensor  # [S, A, gamma]
     valid: torch.Tensor  # [S, A, gamma] slot is supervised (real anchor, inside the sequence)
+    tokens: torch.Tensor  # [S, C + 1] every sequence's tokens, padded (autoregressive drafters read them)
 
 
 def sample_anchors(sequence: Sequence, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -116,10 +117,12 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
     target_hidden = torch.zeros(S, A, G, hidden_size)
     target_lse = torch.zeros(S, A, G)
     valid = torch.zeros(S, A, G, dtype=torch.bool)
+    tokens = torch.zeros(S, C + 1, dtype=torch.long)
     slots = torch.arange(G)
     for s, seq in enumerate(sequences):
         T = seq.token_ids.numel()
         context[s, : seq.features.shape[0]] = seq.features[:, :feature_width]
+        tokens[s, :T] = seq.token_ids
         anchors = sample_anchors(seq, A, generator)
         for a, p in enumerate(anchors.tolist()):
             rows = slice(a * G, (a + 1) * G)
@@ -138,4 +141,5 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
         # Padding anchors (short responses): attend to one context position so no row is empty.
         for a in range(len(anchors), A):
             mask[s, a * G : (a + 1) * G, 0] = True
-    return Batch(context, anchor_tokens, block_positions, mask, labels, previous, target_hidden, target_lse, valid)
+    return Batch(context, anchor_tokens, block_positions, mask, labels, previous, target_hidden, target_lse, valid,
+                 tokens)

@@ -7,7 +7,8 @@
 The draft distribution lives on the draft vocabulary D; the target's on the full vocabulary,
 so the L1 distance is `sum_{v in D} |p_d(v) - p_t(v)| + (1 - sum_{v in D} p_t(v))`, with
 `p_t(v) = exp(logit_v - logsumexp)` from the cached target hidden state and normaliser.
-DFlash baselines train on CE alone (their paper's recipe); every term is still reported.
+DFlash baselines train on CE alone (their paper's recipe); drafters without a confidence head
+(EAGLE-3-style, MTP-1) drop the BCE term; every term is still reported.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter import DrafterBase
+from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.target import rms_norm
 from dspark_trt.training.data import Batch
 
@@ -37,9 +39,13 @@ def slot_weights(block_size: int) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / 4.0)
 
 
-def draft_logits(drafter: DSparkDrafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Teacher-forced draft logits `[S, A, gamma, V_d]` and confidence logits `[S, A, gamma]`."""
+def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced draft logits `[S, A, gamma, V_d]` and confidence logits `[S, A, gamma]` (or None)."""
     S, A, G = batch.labels.shape
+    if isinstance(drafter, EagleDrafter):  # autoregressive: training-time test over gamma steps
+        fused = drafter.fuse_features(batch.context_features)  # [S, C, d]
+        fused = torch.cat([fused, torch.zeros_like(fused[:, :1])], dim=1)  # positions 0..C
+        return drafter.training_time_test(batch.tokens, fused, batch.block_positions[:, ::G], G), None
     context = drafter.fuse_features(batch.context_features)  # [S, C, d]
     C = context.shape[1]
     context_kv = drafter.context_keys_values(context, torch.arange(C).expand(S, C))
@@ -50,7 +56,7 @@ def draft_logits(drafter: DSparkDrafter, batch: Batch) -> tuple[torch.Tensor, to
     return (logits if bias is None else logits + bias), confidence
 
 
-def target_probs_on_draft_vocab(drafter: DSparkDrafter, batch: Batch, target_final_norm: torch.Tensor,
+def target_probs_on_draft_vocab(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Tensor,
                                 eps: float) -> torch.Tensor:
     """p_target restricted to the draft vocabulary, `[S, A, gamma, V_d]` (rows sum to <= 1)."""
     normed = rms_norm(batch.target_hidden, target_final_norm, eps)
@@ -63,7 +69,7 @@ def l1_to_target(log_p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Ten
     return (log_p_draft.exp() - p_target).abs().sum(-1) + outside_mass
 
 
-def drafter_loss(drafter: DSparkDrafter, batch: Batch, target_final_norm: torch.Tensor, eps: float) -> LossTerms:
+def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Tensor, eps: float) -> LossTerms:
     logits, confidence = draft_logits(drafter, batch)
     with torch.no_grad():
         p_target = target_probs_on_draft_vocab(drafter, batch, target_final_norm, eps)
@@ -84,8 +90,10 @@ def drafter_loss(drafter: DSparkDrafter, batch: Batch, target_final_norm: torch.
     if confidence is not None:
         bce = (F.binary_cross_entropy_with_logits(confidence, soft_label, reduction="none") * valid).sum() / num_slots
 
-    if drafter.config.kind == "dflash":
+    if drafter.config.kind == "dflash":  # DFlash's own recipe
         total = ce
+    elif confidence is None:  # EAGLE-3-style and MTP-1: no confidence head to train
+        total = CE_WEIGHT * ce + L1_WEIGHT * l1_term
     else:
         total = CE_WEIGHT * ce + L1_WEIGHT * l1_term + BCE_WEIGHT * bce
     per_position = ((soft_label * valid).sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)).tolist()

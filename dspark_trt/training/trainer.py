@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter import DrafterBase
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.drafter_io import save_drafter
+from dspark_trt.models.drafter_io import build_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import drafter_loss
@@ -78,14 +78,14 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 
 def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_config: DrafterConfig,
                   draft_vocab: torch.Tensor, config: TrainConfig, run_dir: Path,
-                  progress: bool = True, stop_at: int | None = None) -> DSparkDrafter:
+                  progress: bool = True, stop_at: int | None = None) -> DrafterBase:
     """Train (or resume) until `config.steps`, or until step `stop_at` when given (the schedule
     still spans `config.steps`, so a later call continues exactly where this one stopped)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "training_state.pt"
     torch.manual_seed(config.seed)
-    drafter = DSparkDrafter(drafter_config, draft_vocab).attach_target(target.model)
+    drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
                                   weight_decay=0.0)
     start_step, elapsed = 0, 0.0
@@ -125,9 +125,9 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
             optimizer.step()
             elapsed += time.perf_counter() - began
             bar.update(1)
-            bar.set_postfix(loss=f"{float(terms.total):.3f}", acc1=f"{terms.acceptance_per_position[0]:.2f}")
+            bar.set_postfix(loss=f"{float(terms.total.detach()):.3f}", acc1=f"{terms.acceptance_per_position[0]:.2f}")
             if (step + 1) % config.log_every == 0 or step == start_step:
-                log.write(json.dumps({"step": step + 1, "loss": float(terms.total), "ce": terms.ce, "l1": terms.l1,
+                log.write(json.dumps({"step": step + 1, "loss": float(terms.total.detach()), "ce": terms.ce, "l1": terms.l1,
                                       "bce": terms.bce, "grad_norm": float(grad_norm), "lr": learning_rate(step, config),
                                       "acceptance_per_position": terms.acceptance_per_position,
                                       "elapsed_s": elapsed}) + "\n")
