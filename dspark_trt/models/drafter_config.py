@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dspark_trt.errors import ModelLoadError
-from dspark_trt.models.target_config import TargetConfig
+from dspark_trt.models.target_config import TargetConfig, read_config_json
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3", "mtp1")
 HEAD_TYPES = ("markov", "rnn", "none")
@@ -90,15 +90,9 @@ class DrafterConfig:
 
     @classmethod
     def load(cls, folder: Path) -> "DrafterConfig":
-        path = Path(folder) / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder} has no config.json: not a drafter checkpoint") from None
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON ({exc})") from None
+        data = read_config_json(folder, "a drafter checkpoint")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ModelLoadError(f"{path}: unknown drafter config keys {unknown}")
+            raise ModelLoadError(f"{Path(folder) / 'config.json'}: unknown drafter config keys {unknown}")
         return cls(**data)

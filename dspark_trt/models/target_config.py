@@ -16,6 +16,17 @@ from dspark_trt.errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def read_config_json(folder: Path, what: str) -> dict:
+    """The `config.json` of a checkpoint folder, or a ModelLoadError saying what is wrong."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder} has no config.json: not {what}") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc})") from None
+
+
 @dataclass(frozen=True)
 class TargetConfig:
     architecture: str
@@ -84,14 +95,7 @@ class TargetConfig:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "TargetConfig":
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelLoadError(f"{folder} has no config.json: not a Hugging Face model folder") from None
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON ({exc})") from None
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_config_json(folder, "a Hugging Face model folder"))
 
     def to_dict(self) -> dict:
         return asdict(self)
