@@ -159,3 +159,16 @@ def test_default_target_generates_a_sensible_answer():
 def test_engine_dir_is_refused_clearly():
     with pytest.raises(DsparkError, match="build"):
         LLM(target="default", engine_dir="/tmp/engine")
+
+
+def test_default_target_with_default_drafter_is_lossless():
+    """`LLM(target="default", drafter="default")` loads the committed DSpark drafter, drafts, and
+    (greedy) returns exactly plain decoding's tokens."""
+    prompt = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    speculative = LLM(target="default", drafter="default")
+    plain = LLM(target="default")
+    a = speculative.chat(prompt, params)[0]
+    b = plain.chat(prompt, params)[0]
+    assert a.token_ids == b.token_ids
+    assert a.metrics["num_draft_tokens"] > 0 and a.metrics["num_steps"] < b.metrics["num_steps"] + 1
