@@ -204,7 +204,8 @@ def calibrate(drafter_path, data_path, features_dir, target):
                                            loaded.model.final_norm.detach(), loaded.config.rms_norm_eps)
     report = fit_sts(logits, accepted)
     drafter.config.confidence_temperatures = report.temperatures
-    save_drafter(drafter, drafter_path)
+    report_json = json.dumps({"num_blocks": int(logits.shape[0]), "num_rows": len(rows), **vars(report)}, indent=2)
+    save_drafter(drafter, drafter_path, extra_files={"calibration.json": report_json + "\n"})
     click.echo(f"{logits.shape[0]} held-out blocks from {len(rows)} rows")
     click.echo("position  temperature  ECE before  ECE after  AUC")
     for k, (t, b, a, u) in enumerate(zip(report.temperatures, report.ece_before, report.ece_after, report.auc), 1):

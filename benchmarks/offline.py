@@ -1,0 +1,112 @@
+"""Offline acceptance of every drafter on every evaluation set, in one run.
+
+    python benchmarks/offline.py [--drafter dspark=checkpoints/.../dspark ...] [--batch-size 8]
+
+Runs `dspark-trt eval`'s evaluation (speculative decoding through `LLM`, tau counting the bonus
+token, conditional per-position acceptance) for each drafter x dataset x temperature, and
+writes `benchmarks/results/offline.json` (the list of eval outputs, macro averages per drafter
+and temperature, the ratios the paper reports, and each drafter's calibration report),
+`offline.md` (tables) and `offline_<dataset>.png` (per-position acceptance).
+Default drafters: whichever of checkpoints/smollm2-135m-instruct/{dspark,dflash,eagle3,mtp1} exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
+DATASETS = {"mt-bench": 80, "humaneval": 164, "gsm8k": 200}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", action="append", default=[], help="NAME=PATH (repeatable)")
+    parser.add_argument("--dataset", action="append", default=[], help="NAME[:NUM_PROMPTS] (repeatable)")
+    parser.add_argument("--temperature", action="append", type=float, default=[])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8, help="tau does not depend on it; time does")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/offline.json"))
+    args = parser.parse_args()
+
+    from dspark_trt import LLM, SamplingParams
+    from dspark_trt.training.evaluate import evaluate
+    from dspark_trt.training.prompts import load_prompts
+
+    drafters = dict(d.split("=", 1) for d in args.drafter) or {
+        kind: str(CHECKPOINTS / kind) for kind in ("dspark", "dflash", "eagle3", "mtp1") if (CHECKPOINTS / kind).is_dir()}
+    datasets = dict((d.split(":")[0], int(d.split(":")[1]) if ":" in d else DATASETS.get(d)) for d in args.dataset) \
+        or DATASETS
+    temperatures = args.temperature or [0.0, 1.0]
+
+    runs, calibration = [], {}
+    for name, path in drafters.items():
+        llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size)
+        report = Path(path) / "calibration.json"
+        if report.is_file():
+            calibration[name] = json.loads(report.read_text())
+        for dataset, count in datasets.items():
+            prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, count)]
+            for temperature in temperatures:
+                params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i)
+                          for i in range(len(prompts))]
+                result = evaluate(llm, prompts, params, args.batch_size, compare_plain=False)
+                runs.append({"drafter": name, "dataset": dataset, "temperature": temperature, **result})
+                print(f"{name:8s} {dataset:10s} T={temperature}: tau {result['accept_length']:.2f}", flush=True)
+
+    macro = {}
+    for name in drafters:
+        for temperature in temperatures:
+            taus = [r["accept_length"] for r in runs if r["drafter"] == name and r["temperature"] == temperature]
+            macro[f"{name}@T={temperature}"] = sum(taus) / len(taus)
+    ratios = {}
+    for temperature in temperatures:
+        for baseline in ("dflash", "eagle3", "mtp1"):
+            if "dspark" in drafters and baseline in drafters:
+                ratios[f"dspark/{baseline}@T={temperature}"] = (macro[f"dspark@T={temperature}"]
+                                                                 / macro[f"{baseline}@T={temperature}"])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"runs": runs, "macro_accept_length": macro, "ratios": ratios,
+                                       "calibration": calibration, "max_tokens": args.max_tokens}, indent=2) + "\n")
+    write_markdown(args.output.with_suffix(".md"), runs, macro, ratios, drafters, datasets, temperatures)
+    plot(args.output, runs, datasets, temperatures)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def write_markdown(path: Path, runs, macro, ratios, drafters, datasets, temperatures) -> None:
+    lines = ["| drafter | T | " + " | ".join(datasets) + " | macro tau |", "|---" * (len(datasets) + 3) + "|"]
+    for name in drafters:
+        for t in temperatures:
+            cells = [next((f"{r['accept_length']:.2f}" for r in runs if r["drafter"] == name
+                           and r["dataset"] == d and r["temperature"] == t), "-") for d in datasets]
+            lines.append(f"| {name} | {t} | " + " | ".join(cells) + f" | {macro[f'{name}@T={t}']:.2f} |")
+    lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios.items())]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(output: Path, runs, datasets, temperatures) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for dataset in datasets:
+        figure, axes = plt.subplots(1, len(temperatures), figsize=(5 * len(temperatures), 3.5), squeeze=False)
+        for axis, t in zip(axes[0], temperatures):
+            for r in runs:
+                if r["dataset"] == dataset and r["temperature"] == t:
+                    rates = r["per_position_acceptance"]
+                    axis.plot(range(1, len(rates) + 1), rates, marker="o", label=r["drafter"])
+            axis.set(title=f"{dataset}, T={t}", xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)",
+                     ylim=(0, 1))
+            axis.legend()
+        figure.tight_layout()
+        figure.savefig(output.with_name(f"offline_{dataset}.png"), dpi=100)
+        plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
