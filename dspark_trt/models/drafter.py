@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.linear import matmul
 from dspark_trt.models.target import apply_rope, rms_norm
 
 
@@ -113,7 +114,8 @@ class MarkovHead(nn.Module):
         nn.init.zeros_(self.w2.weight)
 
     def forward(self, previous_embedding: torch.Tensor, hidden: torch.Tensor, state=None):
-        return self.w2(previous_embedding), None
+        # W2 is [V_d, r]: its transpose as a view is the [r, V_d] GEMV operand, no copy.
+        return matmul(previous_embedding, self.w2.weight.t()), None
 
 
 class RNNHead(nn.Module):
@@ -211,7 +213,7 @@ class DSparkDrafter(DrafterBase):
 
     def backbone_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """U: `[..., d]` -> `[..., draft_vocab]`."""
-        return hidden @ self.lm_head_t
+        return matmul(hidden, self.lm_head_t)
 
     # ---- the heads ---------------------------------------------------------------------------
 
