@@ -217,37 +217,33 @@ class DSparkDrafter(DrafterBase):
 
     # ---- the heads ---------------------------------------------------------------------------
 
-    def head_step(self, hidden: torch.Tensor, previous_draft_ids: torch.Tensor, state=None):
-        """Bias B_k and confidence logit for block slots with known previous tokens.
+    def sequential_bias(self, hidden: torch.Tensor, previous_draft_ids: torch.Tensor, state=None):
+        """B_k for slots whose previous token is known: hidden `[..., d]`, previous_draft_ids `[...]`
+        (draft-vocab ids, OOV = vocab size) -> (bias `[..., draft_vocab]` or None, new RNN state)."""
+        if self.sequential is None:
+            return None, state
+        return self.sequential(self.previous_embedding(previous_draft_ids), hidden, state)
 
-        hidden `[..., d]`, previous_draft_ids `[...]` (draft-vocab ids, OOV = vocab size).
-        Returns (bias `[..., draft_vocab]` or None, confidence logit `[...]` or None, new state).
-        """
-        if self.previous_embedding is None:
-            return None, None, state
+    def confidence_logits(self, hidden: torch.Tensor, previous_draft_ids: torch.Tensor) -> torch.Tensor | None:
+        """Confidence logits `[...]` of slots given h_k and x_{k-1}; never looks at x_k itself."""
+        if self.confidence is None:
+            return None
         previous = self.previous_embedding(previous_draft_ids)
-        bias = None
-        if self.sequential is not None:
-            bias, state = self.sequential(previous, hidden, state)
-        confidence = None
-        if self.confidence is not None:
-            confidence = self.confidence(torch.cat([hidden, previous], dim=-1)).squeeze(-1)
-        return bias, confidence, state
+        return self.confidence(torch.cat([hidden, previous], dim=-1)).squeeze(-1)
 
     def teacher_forced_heads(self, hidden: torch.Tensor, previous_draft_ids: torch.Tensor):
         """Training: heads over whole blocks with the true previous tokens.
 
         hidden `[..., gamma, d]`, previous_draft_ids `[..., gamma]` -> bias `[..., gamma, V_d]`, conf `[..., gamma]`.
         """
+        confidence = self.confidence_logits(hidden, previous_draft_ids)
         if isinstance(self.sequential, RNNHead):  # recurrent: slot by slot
-            biases, confidences, state = [], [], None
+            biases, state = [], None
             for k in range(self.config.block_size):
-                bias, conf, state = self.head_step(hidden[..., k, :], previous_draft_ids[..., k], state)
+                bias, state = self.sequential_bias(hidden[..., k, :], previous_draft_ids[..., k], state)
                 biases.append(bias)
-                confidences.append(conf)
-            confidence = torch.stack(confidences, -1) if confidences[0] is not None else None
             return torch.stack(biases, -2), confidence
-        bias, confidence, _ = self.head_step(hidden, previous_draft_ids)
+        bias, _ = self.sequential_bias(hidden, previous_draft_ids)
         return bias, confidence
 
     def calibrated_confidence(self, logits: torch.Tensor) -> torch.Tensor:

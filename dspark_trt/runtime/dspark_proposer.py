@@ -89,10 +89,10 @@ class DSparkProposer:
         backbone_logits = drafter.backbone_logits(hidden)  # [gamma, V_d]
 
         params = request.params
-        previous = drafter.to_draft[request.pending_token]
-        tokens, confidences, distributions, state = [], [], [], None
+        previous = [int(drafter.to_draft[request.pending_token])]  # draft-vocab ids of x_0 .. x_{gamma-1}
+        tokens, distributions, state = [], [], None
         for k in range(self.block_size):
-            bias, confidence, state = drafter.head_step(hidden[k], previous, state)
+            bias, state = drafter.sequential_bias(hidden[k], torch.tensor(previous[-1]), state)
             logits = backbone_logits[k] if bias is None else backbone_logits[k] + bias
             if params.greedy:
                 choice = int(logits.argmax())
@@ -101,11 +101,11 @@ class DSparkProposer:
                 choice = sample(probs, request.generator)
                 distributions.append(probs)
             tokens.append(int(drafter.draft_vocab[choice]))
-            if confidence is not None:
-                confidences.append(confidence)
-            previous = torch.tensor(choice)
-        if confidences:
-            self.last_confidences[request.request_id] = drafter.calibrated_confidence(torch.stack(confidences))
+            previous.append(choice)
+        # Confidences need only h_k and x_{k-1}: one batched call once the block is drafted.
+        confidence = drafter.confidence_logits(hidden, torch.tensor(previous[:-1]))
+        if confidence is not None:
+            self.last_confidences[request.request_id] = drafter.calibrated_confidence(confidence)
 
         full_probs = None
         if distributions:  # over the whole target vocabulary: zero outside the draft vocabulary
