@@ -42,6 +42,8 @@ def main():
 @click.option("--prompt", "-p", required=True, help="The prompt text.")
 @click.option("--target", default="default", show_default=True,
               help="'default', a Hugging Face model folder, or a .gguf file.")
+@click.option("--drafter", default=None,
+              help="Speculate with a drafter checkpoint folder, or 'default' (the committed DSpark drafter).")
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass in (0, 1].")
@@ -51,13 +53,13 @@ def main():
 @click.option("--chat/--raw", default=True, show_default=True,
               help="Wrap the prompt in the target's chat template, or feed it as raw text.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "metrics"} as JSON.')
-def generate(prompt, target, max_tokens, temperature, top_p, top_k, seed, stop, chat, as_json):
+def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, seed, stop, chat, as_json):
     """Generate a completion for one prompt and report acceptance statistics."""
     from dspark_trt import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=list(stop))
-    llm = LLM(target=target)
+    llm = LLM(target=target, drafter=drafter)
     use_chat = chat and bool(getattr(llm.tokenizer, "chat_template", None))
     output = llm.generate([prompt], params, chat=use_chat)[0]
     if as_json:

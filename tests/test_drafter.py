@@ -238,3 +238,16 @@ def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_p
         unrolled = drafter.training_time_test(seq.token_ids[None], fused, torch.tensor([[p]]), 1)
         incremental = drafter.logits(proposer.states["r"].last_output)
     assert torch.allclose(unrolled[0, 0, 0], incremental[0, 0], atol=1e-4)
+
+
+def test_cli_generate_with_a_drafter(tiny_llama, target, tmp_path):
+    import subprocess
+    import sys
+
+    save_drafter(make_drafter(target), tmp_path / "drafter")
+    result = subprocess.run([sys.executable, "-m", "dspark_trt.cli", "generate", "--prompt", "Hello", "--target",
+                             str(tiny_llama), "--drafter", str(tmp_path / "drafter"), "--max-tokens", "12", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["num_draft_tokens"] > 0 and metrics["num_steps"] >= 1
