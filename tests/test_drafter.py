@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from dspark_trt import LLM, ModelLoadError, SamplingParams
-from dspark_trt.models.drafter import DSparkDrafter
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import build_drafter, load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
-from dspark_trt.runtime.dspark_proposer import DSparkProposer
-from dspark_trt.training.data import Sequence, ensure_features, load_sequences, make_batch, read_rows
+from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
 from dspark_trt.training.datagen import DatagenConfig, generate_dataset
 from dspark_trt.training.losses import drafter_loss, draft_logits, slot_weights
 from dspark_trt.training.prompts import load_prompts
@@ -100,7 +98,6 @@ def test_a_block_ignores_later_context_and_other_blocks(target, dataset):
 def test_loss_terms_on_a_hand_checked_case(target):
     """One block, gamma 2, a 4-token draft vocabulary: compare every term with hand arithmetic."""
     drafter = make_drafter(target, block_size=2, vocab_size=4)
-    config = drafter.config
     # Draft logits: slot 1 uniform over D; slot 2 all mass on token 1 (logit 30).
     draft = torch.tensor([[[[0.0, 0.0, 0.0, 0.0], [0.0, 30.0, 0.0, 0.0]]]])
     p_target = torch.tensor([[[[0.4, 0.2, 0.2, 0.0], [0.0, 0.5, 0.0, 0.0]]]])  # 0.2 and 0.5 outside D
