@@ -1,0 +1,210 @@
+"""`SequentialDraft`: DSpark's sequential head over one block, as one operator with four faces.
+
+Semantics (the same in every face). Per row b of a batch, left to right over the block k = 1..G:
+
+    bias_k  = W1[x_{k-1}] @ W2                          (head = MARKOV)
+            = s_k @ W2,  s_k = GRU([W1[x_{k-1}]; h_k], s_{k-1}),  s_0 = 0   (head = RNN)
+            = 0                                           (head = NONE: DFlash)
+    l_k     = U_k + bias_k                                logits over the draft vocabulary
+    p_k     = softmax(l_k / T_b)   (T_b = 1 when T_b == 0, i.e. greedy)
+    x_k     = argmax l_k                      if T_b == 0
+            = first i with cdf_k[i] > u_{b,k} * cdf_k[-1]   otherwise (inverse CDF, as runtime/sampling.sample)
+    c_k     = sigmoid((w . [h_k; W1[x_{k-1}]] + b0) / tau_k)   (ones when there is no confidence head)
+
+`x_0` is the anchor's draft-vocabulary id (the out-of-vocabulary id V maps to W1's extra row).
+Inputs: logits U `[B, G, V]`, hidden h `[B, G, D]`, anchor_ids `[B]` int64, w1 `[V + 1, R]`,
+w2 `[R, V]`, GRU weights (`w_ih [3R, R + D]`, `w_hh [3R, R]`, `b_ih [3R]`, `b_hh [3R]`; any
+`[1]`-shaped placeholder when head != RNN), confidence weight `[D + R]` and bias `[1]`,
+inverse STS temperatures `[G]`, sampling temperatures `[B]` and uniforms `[B, G]` in [0, 1).
+Outputs: draft ids `[B, G]` int64, probability of each drafted token `[B, G]`, confidences
+`[B, G]`, and the full draft distributions `[B, G, V]` (what exact rejection sampling needs).
+
+Faces:
+1. `reference(...)`: plain torch, a static loop over the block; every op in it is a standard
+   ONNX op, so tracing it gives the *unrolled* all-standard-ops form that ONNX Runtime runs
+   on CPU (our CPU implementation of the op).
+2. `torch.ops.dspark.sequential_draft`: a `torch.library` custom op wrapping the reference, so
+   the exporter sees one node; `onnx_translation` maps it to one ONNX node `SequentialDraft`
+   in domain `dspark` with `plugin_namespace`/`plugin_version` attributes, which TensorRT's
+   ONNX parser resolves through its plugin registry.
+3. `register_tensorrt_plugin()`: the TensorRT plugin (`tensorrt.plugin`, TensorRT >= 10.7),
+   registered lazily: this module imports without TensorRT.
+
+It does not know about drafters: the caller passes weights (see `builder/export_drafter.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+HEAD_NONE, HEAD_MARKOV, HEAD_RNN = 0, 1, 2
+HEAD_CODES = {"none": HEAD_NONE, "markov": HEAD_MARKOV, "rnn": HEAD_RNN}
+ONNX_DOMAIN = "dspark"
+ONNX_OP_TYPE = "SequentialDraft"
+PLUGIN_NAMESPACE = "dspark"
+PLUGIN_VERSION = "1"
+PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{ONNX_OP_TYPE}"  # tensorrt.plugin id: "{namespace}::{name}"
+INPUT_NAMES = ("logits", "hidden", "anchor_ids", "w1", "w2", "gru_w_ih", "gru_w_hh", "gru_b_ih", "gru_b_hh",
+               "conf_w", "conf_b", "conf_inv_temps", "temperatures", "uniforms")
+OUTPUT_NAMES = ("draft_ids", "token_probs", "confidences", "distributions")
+
+
+def _gru(x: torch.Tensor, state: torch.Tensor, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
+    """torch.nn.GRUCell written out (gate order r, z, n) so that it traces to MatMul/Sigmoid/Tanh."""
+    gi = x @ w_ih.t() + b_ih  # [B, 3R]
+    gh = state @ w_hh.t() + b_hh
+    i_r, i_z, i_n = gi.chunk(3, dim=-1)
+    h_r, h_z, h_n = gh.chunk(3, dim=-1)
+    r = torch.sigmoid(i_r + h_r)
+    z = torch.sigmoid(i_z + h_z)
+    n = torch.tanh(i_n + r * h_n)
+    return (1 - z) * n + z * state
+
+
+def reference(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
+              conf_inv_temps, temperatures, uniforms, head: int, has_confidence: int):
+    """The operator's semantics (module docstring); returns (draft_ids, token_probs, confidences, distributions)."""
+    batch, block, vocab = logits.shape
+    greedy = temperatures <= 0  # [B]
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]  # [B, 1]
+    previous = anchor_ids  # [B] draft-vocabulary ids (V = out of vocabulary)
+    state = logits.new_zeros(batch, w1.shape[1])  # RNN state s_0
+    ids, token_probs, confidences, distributions = [], [], [], []
+    for k in range(block):  # a static loop: the block size is fixed per drafter
+        h_k = hidden[:, k]  # [B, D]
+        prev_embedding = w1[previous]  # [B, R]
+        l_k = logits[:, k]  # [B, V]
+        if head == HEAD_MARKOV:
+            l_k = l_k + prev_embedding @ w2
+        elif head == HEAD_RNN:
+            state = _gru(torch.cat([prev_embedding, h_k], dim=-1), state, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh)
+            l_k = l_k + state @ w2
+        p_k = torch.softmax(l_k / scale, dim=-1)  # [B, V]
+        cdf = p_k.cumsum(-1)
+        threshold = uniforms[:, k : k + 1] * cdf[:, -1:]
+        sampled = (cdf <= threshold).sum(-1).clamp(max=vocab - 1)  # searchsorted(right=True), as runtime `sample`
+        choice = torch.where(greedy, l_k.argmax(-1), sampled)  # [B]
+        ids.append(choice)
+        token_probs.append(p_k.gather(-1, choice[:, None])[:, 0])
+        distributions.append(p_k)
+        if has_confidence:
+            z = (torch.cat([h_k, prev_embedding], dim=-1) @ conf_w + conf_b) * conf_inv_temps[k]
+            confidences.append(torch.sigmoid(z))
+        else:
+            confidences.append(torch.ones_like(temperatures))
+        previous = choice
+    return (torch.stack(ids, 1), torch.stack(token_probs, 1), torch.stack(confidences, 1),
+            torch.stack(distributions, 1))
+
+
+# ---- face 2: the torch custom op and its ONNX node ------------------------------------------------
+
+
+@torch.library.custom_op("dspark::sequential_draft", mutates_args=())
+def sequential_draft(logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor, w1: torch.Tensor,
+                     w2: torch.Tensor, gru_w_ih: torch.Tensor, gru_w_hh: torch.Tensor, gru_b_ih: torch.Tensor,
+                     gru_b_hh: torch.Tensor, conf_w: torch.Tensor, conf_b: torch.Tensor,
+                     conf_inv_temps: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
+                     head: int, has_confidence: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = reference(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
+                     conf_inv_temps, temperatures, uniforms, head, has_confidence)
+    return tuple(t.contiguous() for t in outs)
+
+
+@sequential_draft.register_fake
+def _(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b, conf_inv_temps,
+      temperatures, uniforms, head, has_confidence):
+    batch, block, vocab = logits.shape
+    return (logits.new_empty(batch, block, dtype=torch.int64), logits.new_empty(batch, block),
+            logits.new_empty(batch, block), logits.new_empty(batch, block, vocab))
+
+
+def onnx_schema():
+    """The `dspark::SequentialDraft` ONNX schema, registered with onnx once (so that the checker
+    and shape inference know the node's inputs, outputs and attributes)."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    try:
+        return onnx.defs.get_schema(ONNX_OP_TYPE, 1, ONNX_DOMAIN)
+    except onnx.defs.SchemaError:
+        pass
+    types = {"anchor_ids": "I", "draft_ids": "I"}
+    attr = OpSchema.AttrType
+    schema = OpSchema(
+        ONNX_OP_TYPE, ONNX_DOMAIN, 1,
+        doc="DSpark sequential head over one block (dspark_trt/plugins/sequential_draft.py).",
+        inputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in INPUT_NAMES],
+        outputs=[OpSchema.FormalParameter(n, types.get(n, "T")) for n in OUTPUT_NAMES],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "floating point"),
+                          ("I", ["tensor(int64)"], "token ids")],
+        attributes=[OpSchema.Attribute("head", attr.INT, "0 none, 1 markov, 2 rnn"),
+                    OpSchema.Attribute("has_confidence", attr.INT, "1 when the drafter has a confidence head"),
+                    OpSchema.Attribute("plugin_namespace", attr.STRING, "TensorRT plugin namespace"),
+                    OpSchema.Attribute("plugin_version", attr.STRING, "TensorRT plugin version")],
+    )
+    onnx.defs.register_schema(schema)
+    return schema
+
+
+def onnx_translation():
+    """{torch op: onnxscript function} for `torch.onnx.export(custom_translation_table=...)`:
+    one `dspark::SequentialDraft` node with the attributes TensorRT's ONNX parser reads."""
+    import onnxscript
+
+    node = onnxscript.values.Op(onnxscript.values.Opset(ONNX_DOMAIN, 1), ONNX_OP_TYPE, onnx_schema())
+
+    def translate(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
+                  conf_inv_temps, temperatures, uniforms, head: int, has_confidence: int):
+        return node(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
+                    conf_inv_temps, temperatures, uniforms, head=head, has_confidence=has_confidence,
+                    plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+    return {torch.ops.dspark.sequential_draft.default: translate}
+
+
+# ---- face 3: the TensorRT plugin ----------------------------------------------------------------
+
+_registered = False
+
+
+def register_tensorrt_plugin() -> None:
+    """Register `dspark::SequentialDraft` with TensorRT's plugin registry (idempotent).
+
+    Shapes/types come from `@trtp.register`; the implementation (`@trtp.impl`) runs the torch
+    reference on the plugin's CUDA stream, on the device tensors TensorRT hands over (no copies).
+    It is a JIT plugin: an engine that contains it needs this registration (so Python) at load
+    time. An ahead-of-time (`@trtp.aot_impl`) kernel needs a compiled (Triton/CUDA) kernel of
+    the sampling loop; it is not written yet, and `builder/trt_engines.py` records that.
+    """
+    global _registered
+    if _registered:
+        return
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+
+    @trtp.register(PLUGIN_ID)
+    def _describe(logits: trtp.TensorDesc, hidden: trtp.TensorDesc, anchor_ids: trtp.TensorDesc,
+                  w1: trtp.TensorDesc, w2: trtp.TensorDesc, gru_w_ih: trtp.TensorDesc, gru_w_hh: trtp.TensorDesc,
+                  gru_b_ih: trtp.TensorDesc, gru_b_hh: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                  conf_b: trtp.TensorDesc, conf_inv_temps: trtp.TensorDesc, temperatures: trtp.TensorDesc,
+                  uniforms: trtp.TensorDesc, head: int, has_confidence: int
+                  ) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        ids = uniforms.like()  # [B, G], int64 draft ids
+        ids.dtype = trt.int64
+        return ids, uniforms.like(), uniforms.like(), logits.like()
+
+    @trtp.impl(PLUGIN_ID)
+    def _run(logits: trtp.Tensor, hidden: trtp.Tensor, anchor_ids: trtp.Tensor, w1: trtp.Tensor, w2: trtp.Tensor,
+             gru_w_ih: trtp.Tensor, gru_w_hh: trtp.Tensor, gru_b_ih: trtp.Tensor, gru_b_hh: trtp.Tensor,
+             conf_w: trtp.Tensor, conf_b: trtp.Tensor, conf_inv_temps: trtp.Tensor, temperatures: trtp.Tensor,
+             uniforms: trtp.Tensor, head: int, has_confidence: int, outputs: tuple[trtp.Tensor], stream: int) -> None:
+        inputs = [torch.as_tensor(t, device="cuda") for t in (logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh,
+                                                             gru_b_ih, gru_b_hh, conf_w, conf_b, conf_inv_temps,
+                                                             temperatures, uniforms)]
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            results = reference(*inputs, head=head, has_confidence=has_confidence)
+            for out, value in zip(outputs, results):
+                torch.as_tensor(out, device="cuda").copy_(value)
+
+    _registered = True
