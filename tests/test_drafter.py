@@ -207,10 +207,45 @@ def test_proposer_context_follows_the_target_cache(tiny_llama, target, tmp_path)
     while not request.finished:
         llm.engine.step()
         if not request.finished:
-            assert proposer.contexts[request.request_id].length == request.cache.length
+            assert proposer.context_length(request.request_id) == request.cache.length
             if request.stats.num_steps:
                 assert proposer.last_confidences[request.request_id].shape == (4,)
-    assert request.request_id not in proposer.contexts  # released with the request
+    assert proposer.context_length(request.request_id) == 0  # released with the request
+    assert request.request_id not in proposer.pool.slot_of
+
+
+def test_batched_drafting_equals_drafting_alone(target, tmp_path):
+    """Requests of different context lengths drafted in one batch get the blocks (and confidences)
+    they get when drafted one at a time: padding and masks leak nothing between requests."""
+    from dspark_trt.runtime.dspark_proposer import DSparkProposer
+    from dspark_trt.runtime.request import Request
+
+    drafter = make_drafter(target).eval()
+    width = len(drafter.config.feature_layers) * target.config.hidden_size
+    generator = torch.Generator().manual_seed(3)
+
+    def make_requests():
+        requests = []
+        for i, length in enumerate((5, 17, 9)):
+            request = Request(f"r{i}", list(range(3, 3 + length)), SamplingParams(temperature=0.0), torch.Generator())
+            request.output_token_ids = [40 + i]
+            requests.append(request)
+        return requests
+
+    features = [torch.randn(n, width, generator=generator) for n in (5, 17, 9)]
+    together = DSparkProposer(drafter)
+    batch = make_requests()
+    for request, f in zip(batch, features):
+        request.new_features = f
+        together.observe(request)
+    drafts = together.propose(batch[::-1])[::-1]  # order of the call must not matter either
+    for request, f, draft in zip(make_requests(), features, drafts):
+        alone = DSparkProposer(drafter)
+        request.new_features = f
+        alone.observe(request)
+        assert alone.propose([request])[0].tokens == draft.tokens
+        assert torch.allclose(alone.last_confidences[request.request_id],
+                              together.last_confidences[request.request_id], atol=1e-5)
 
 
 def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):

@@ -1,11 +1,14 @@
 """Speculative decoding with synthetic drafts is exactly plain decoding (greedy), and keeps the
 target distribution (sampled)."""
 
+import json
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from dspark_trt import LLM, SamplingParams
+from dspark_trt.runtime.engine import Engine
 from dspark_trt.runtime.proposer import CallableProposer, Draft
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,", "Paris is the capital of"]
@@ -46,11 +49,10 @@ def mixed(plain_outputs, vocab: int):
 
 @pytest.mark.parametrize("kind", ["random_wrong", "perfect", "mixed"])
 def test_greedy_speculative_output_equals_plain_output(tiny_llama, plain, kind):
-    llm = LLM(target=tiny_llama)
-    vocab = llm.target.config.vocab_size
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
     proposer = {"random_wrong": lambda: random_wrong(vocab), "perfect": lambda: perfect(plain),
                 "mixed": lambda: mixed(plain, vocab)}[kind]()
-    llm.engine.proposer = CallableProposer(proposer)
+    llm = LLM(target=tiny_llama, drafter=CallableProposer(proposer))
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     for output in outputs:
         assert output.token_ids == plain[tuple(output.prompt_token_ids)]
@@ -99,7 +101,7 @@ def test_sampled_speculative_decoding_keeps_the_target_distribution(tiny_llama):
         tokens = [int(torch.multinomial(draft_probs[k], 1, generator=generator)) for k in range(2)]
         return Draft(tokens, draft_probs)
 
-    llm.engine.proposer = CallableProposer(propose)
+    llm.engine = Engine(llm.target, CallableProposer(propose))  # verify-all with the synthetic drafts
     outputs = llm.generate([prompt] * len(params), params)
     pairs = [tuple(o.token_ids[:2]) for o in outputs]
     assert all(pair in expected for pair in pairs), "sampled a pair the target gives zero probability"

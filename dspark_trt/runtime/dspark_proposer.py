@@ -1,31 +1,36 @@
-"""Drafting with a trained DSpark/DFlash drafter inside the step loop.
+"""Drafting with a trained DSpark/DFlash drafter inside the step loop, batched over requests.
 
-Per request the proposer keeps the drafter's *context cache*: for every backbone layer, the
-keys/values of the fused target features of every position the target has committed. Each
-step the engine hands over the features of the positions it kept (`observe`), so the cache is
-current even when a request verified nothing; `propose` then drafts one block per request:
+Per request the proposer keeps the drafter's *context*: for every backbone layer, the
+keys/values of the fused target features of every position the target has committed. They
+live in one `ContextPool` (a slot per request, like the target's KV pool) so that all
+requests' blocks are drafted in one batched backbone pass:
 
-    hidden = backbone([pending, MASK x (gamma-1)] at positions p .. p+gamma-1, context < p)
-    U = hidden @ LM head (draft vocabulary)
-    for k in 1..gamma:                      # the sequential head, left to right
+    catch up: fuse the target features that arrived since this request last drafted and
+              append their keys/values (skipped steps are caught up here, in one call)
+    hidden = backbone([pending, MASK x (gamma-1)] at p .. p+gamma-1, context < p)   [N, gamma, d]
+    U = hidden @ LM head (draft vocabulary)                                        [N, gamma, V_d]
+    for k in 1..gamma:                      # the sequential head, left to right, batched over N
         p_k = softmax((U_k + B(x_{k-1})) / T)    x_k = argmax p_k  (T = 0)  or  x_k ~ p_k
-        c_k = confidence(h_k, x_{k-1})
+    c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
 
-The draft distributions are returned over the full target vocabulary, so verification is exact.
+`observe` only queues features (cheap), so a step whose policy skips drafting costs the
+drafter nothing; the queue is consumed before the request's next draft. The draft
+distributions are returned over the full target vocabulary, so verification is exact.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dspark_trt.models.drafter import DSparkDrafter
+from dspark_trt.models.drafter import DSparkDrafter, rope_tables
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import sample
 
 
 class ContextCache:
-    """Drafter keys/values of one request's context, `[1, kv_heads, capacity, head_dim]` per layer."""
+    """Keys/values of one request's context, `[1, kv_heads, capacity, head_dim]` per layer
+    (the EAGLE-style proposer keeps its per-request caches in these)."""
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
@@ -51,64 +56,178 @@ class ContextCache:
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.keys, self.values)]
 
 
+class ContextPool:
+    """Drafter context keys/values of every request: per layer `[slots, kv_heads, capacity, head_dim]`.
+
+    Slots and capacity grow by doubling (copying) as requests arrive and contexts lengthen.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int):
+        self.keys = [torch.zeros(0, num_kv_heads, 64, head_dim) for _ in range(num_layers)]
+        self.values = [torch.zeros(0, num_kv_heads, 64, head_dim) for _ in range(num_layers)]
+        self.lengths: list[int] = []
+        self.slot_of: dict[str, int] = {}
+        self.free: list[int] = []
+
+    def slot(self, request_id: str) -> int:
+        if request_id not in self.slot_of:
+            if not self.free:
+                old = len(self.lengths)
+                self._grow(slots=max(2 * old, 4))
+                self.free = list(range(len(self.lengths) - 1, old - 1, -1))
+            slot = self.free.pop()
+            self.slot_of[request_id] = slot
+            self.lengths[slot] = 0
+        return self.slot_of[request_id]
+
+    def release(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.lengths[slot] = 0
+            self.free.append(slot)
+
+    def _grow(self, slots: int | None = None, capacity: int | None = None) -> None:
+        old_slots, old_capacity = self.keys[0].shape[0], self.keys[0].shape[2]
+        slots, capacity = slots or old_slots, capacity or old_capacity
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                grown = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                grown[:old_slots, :, :old_capacity] = old
+                store[i] = grown
+        self.lengths.extend([0] * (slots - old_slots))
+
+    def append(self, slot: int, per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append keys/values `[kv_heads, n, head_dim]` per layer at the end of `slot`'s context."""
+        count = per_layer[0][0].shape[1]
+        start = self.lengths[slot]
+        if start + count > self.keys[0].shape[2]:
+            self._grow(capacity=max(2 * self.keys[0].shape[2], start + count))
+        for i, (k, v) in enumerate(per_layer):
+            self.keys[i][slot, :, start : start + count] = k
+            self.values[i][slot, :, start : start + count] = v
+        self.lengths[slot] = start + count
+
+    def gather(self, slots: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per-layer keys/values `[len(slots), kv_heads, max_len, head_dim]` and lengths `[len(slots)]`.
+
+        Consecutive slots (the usual case: every running request drafts) are a view, no copy.
+        """
+        lengths = torch.tensor([self.lengths[s] for s in slots])
+        max_len = max(int(lengths.max()), 1)
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            pick = slice(slots[0], slots[0] + len(slots))
+            views = [(k[pick, :, :max_len], v[pick, :, :max_len]) for k, v in zip(self.keys, self.values)]
+        else:
+            index = torch.tensor(slots)
+            views = [(k[index, :, :max_len], v[index, :, :max_len]) for k, v in zip(self.keys, self.values)]
+        return views, lengths
+
+
 class DSparkProposer:
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter.eval()
-        self.feature_layers = tuple(drafter.config.feature_layers)
-        self.block_size = drafter.config.block_size
-        self.contexts: dict[str, ContextCache] = {}
+        config = drafter.config
+        self.feature_layers = tuple(config.feature_layers)
+        self.block_size = config.block_size
+        self.has_confidence = drafter.confidence is not None
+        self.pool = ContextPool(len(drafter.layers), config.num_kv_heads, config.head_dim)
+        self.queued: dict[str, list[torch.Tensor]] = {}  # request id -> features not yet in the pool
         self.last_confidences: dict[str, torch.Tensor] = {}  # request id -> [gamma] calibrated c_k
 
-    @torch.inference_mode()
     def observe(self, request: Request) -> None:
-        """Append the target features of the positions the last step kept for `request`."""
-        if request.new_features is None or not len(request.new_features):
-            return
-        cache = self.contexts.setdefault(request.request_id, ContextCache(len(self.drafter.layers)))
-        features = request.new_features
-        positions = torch.arange(cache.length, cache.length + features.shape[0])
-        context = self.drafter.fuse_features(features)[None]  # [1, n, d]
-        cache.append(self.drafter.context_keys_values(context, positions[None]))
+        """Queue the target features of the positions the last step kept for `request`."""
+        if request.new_features is not None and len(request.new_features):
+            self.queued.setdefault(request.request_id, []).append(request.new_features)
         request.new_features = None
 
+    def context_length(self, request_id: str) -> int:
+        """Positions of this request's context the drafter has (in the pool or queued)."""
+        slot = self.pool.slot_of.get(request_id)
+        in_pool = self.pool.lengths[slot] if slot is not None else 0
+        return in_pool + sum(f.shape[0] for f in self.queued.get(request_id, []))
+
     def release(self, request: Request) -> None:
-        self.contexts.pop(request.request_id, None)
+        self.pool.release(request.request_id)
+        self.queued.pop(request.request_id, None)
         self.last_confidences.pop(request.request_id, None)
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request]) -> list[Draft]:
-        return [self._draft(request) for request in requests]
-
-    def _draft(self, request: Request) -> Draft:
+    def _catch_up(self, requests: list[Request]) -> None:
+        """Fuse every queued feature of `requests` and append its keys/values, in one call."""
+        pieces, positions, owners = [], [], []
+        for request in requests:
+            queued = self.queued.pop(request.request_id, [])
+            if not queued:
+                continue
+            features = torch.cat(queued)
+            slot = self.pool.slot(request.request_id)
+            start = self.pool.lengths[slot]
+            pieces.append(features)
+            positions.append(torch.arange(start, start + features.shape[0]))
+            owners.append((slot, features.shape[0]))
+        if not pieces:
+            return
         drafter = self.drafter
-        cache = self.contexts[request.request_id]
-        anchor_position = cache.length  # the pending token's position: every earlier one is context
-        positions = torch.arange(anchor_position, anchor_position + self.block_size)[None]
-        block = drafter.block_inputs(torch.tensor([request.pending_token]), (1,))  # [1, gamma, d]
-        hidden = drafter.backbone(block, positions, cache.views(), mask=None)[0]  # [gamma, d]
-        backbone_logits = drafter.backbone_logits(hidden)  # [gamma, V_d]
+        context = drafter.fuse_features(torch.cat(pieces))  # [T, d]
+        cos, sin = rope_tables(torch.cat(positions), drafter.config.head_dim, drafter.config.rope_theta)
+        per_layer = [layer.keys_values(context, cos, sin) for layer in drafter.layers]  # [kv, T, hd] each
+        offset = 0
+        for slot, count in owners:
+            self.pool.append(slot, [(k[:, offset : offset + count], v[:, offset : offset + count]) for k, v in per_layer])
+            offset += count
 
-        params = request.params
-        previous = [int(drafter.to_draft[request.pending_token])]  # draft-vocab ids of x_0 .. x_{gamma-1}
-        tokens, distributions, state = [], [], None
-        for k in range(self.block_size):
-            bias, state = drafter.sequential_bias(hidden[k], torch.tensor(previous[-1]), state)
-            logits = backbone_logits[k] if bias is None else backbone_logits[k] + bias
-            if params.greedy:
-                choice = int(logits.argmax())
-            else:
-                probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-                choice = sample(probs, request.generator)
-                distributions.append(probs)
-            tokens.append(int(drafter.draft_vocab[choice]))
-            previous.append(choice)
-        # Confidences need only h_k and x_{k-1}: one batched call once the block is drafted.
-        confidence = drafter.confidence_logits(hidden, torch.tensor(previous[:-1]))
-        if confidence is not None:
-            self.last_confidences[request.request_id] = drafter.calibrated_confidence(confidence)
+    @torch.inference_mode()
+    def propose(self, requests: list[Request]) -> list[Draft]:
+        if not requests:
+            return []
+        self._catch_up(requests)
+        drafter, gamma = self.drafter, self.block_size
+        slots = [self.pool.slot(r.request_id) for r in requests]
+        order = sorted(range(len(requests)), key=lambda i: slots[i])  # slot order: contiguous views
+        requests = [requests[i] for i in order]
+        context_kv, lengths = self.pool.gather([slots[i] for i in order])
+        num_requests, max_len = len(requests), context_kv[0][0].shape[2]
 
-        full_probs = None
-        if distributions:  # over the whole target vocabulary: zero outside the draft vocabulary
-            full_probs = torch.zeros(self.block_size, drafter.config.target_vocab_size)
-            full_probs[:, drafter.draft_vocab] = torch.stack(distributions)
-        return Draft(tokens, full_probs)
+        # Block of request r at positions lengths[r] .. +gamma-1 (the pending token's position is
+        # its context length); it sees its own context (< its length) and its whole block.
+        positions = lengths[:, None] + torch.arange(gamma)  # [N, gamma]
+        visible_context = torch.arange(max_len)[None] < lengths[:, None]  # [N, max_len]
+        mask = torch.cat([visible_context[:, None].expand(-1, gamma, -1),
+                          torch.ones(num_requests, gamma, gamma, dtype=torch.bool)], dim=-1)  # [N, gamma, ctx+gamma]
+        anchors = torch.tensor([r.pending_token for r in requests])
+        block = drafter.block_inputs(anchors, (num_requests,))  # [N, gamma, d]
+        hidden = drafter.backbone(block, positions, context_kv, mask)  # [N, gamma, d]
+        backbone_logits = drafter.backbone_logits(hidden)  # [N, gamma, V_d]
+
+        greedy = torch.tensor([r.params.greedy for r in requests])
+        temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
+        previous = drafter.to_draft[anchors]  # [N] draft-vocab ids of x_{k-1}
+        chosen, distributions, state = [], [], None
+        for k in range(gamma):
+            bias, state = drafter.sequential_bias(hidden[:, k], previous, state)
+            logits = backbone_logits[:, k] if bias is None else backbone_logits[:, k] + bias  # [N, V_d]
+            choice = logits.argmax(-1)
+            probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
+            for i in torch.nonzero(~greedy).flatten().tolist():
+                choice[i] = sample(probs[i], requests[i].generator)
+            distributions.append(probs)
+            chosen.append(choice)
+            previous = choice
+        draft_ids = torch.stack(chosen, 1)  # [N, gamma]
+        previous_ids = torch.cat([drafter.to_draft[anchors][:, None], draft_ids[:, :-1]], 1)
+        # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
+        confidence = drafter.confidence_logits(hidden, previous_ids)
+        calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
+        tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
+        all_probs = torch.stack(distributions, 1)  # [N, gamma, V_d]
+
+        drafts = [None] * num_requests
+        for i, request in enumerate(requests):
+            if calibrated is not None:
+                self.last_confidences[request.request_id] = calibrated[i]
+            full_probs = None
+            if not request.params.greedy:  # over the whole target vocabulary: zero outside the draft one
+                full_probs = torch.zeros(gamma, drafter.config.target_vocab_size)
+                full_probs[:, drafter.draft_vocab] = all_probs[i]
+            drafts[order[i]] = Draft(tokens[i].tolist(), full_probs)
+        return drafts

@@ -31,6 +31,7 @@ class EagleProposer:
         self.feature_layers = tuple(drafter.config.feature_layers)
         self.block_size = drafter.config.block_size
         self.states: dict[str, EagleState] = {}
+        self.has_confidence = False  # no confidence head: fixed:K or none only
 
     @torch.inference_mode()
     def observe(self, request: Request) -> None:

@@ -10,30 +10,81 @@
                           roll its KV cache back past rejected drafts, check EOS/stop/length
 
 The engine is synchronous and single-threaded; batching across callers (the HTTP server) is
-done by feeding `add_request` between steps.
+done by feeding `add_request` between steps (`engine_thread.py`). KV memory is a fixed pool of
+slots: a request waits in the queue until a slot frees (admission control), so running out of
+memory means waiting, never a crash.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.models.loading import LoadedTarget
+from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Draft, Proposer
 from dspark_trt.runtime.request import FinishReason, Request
-from dspark_trt.runtime.threads import ensure_cpu_threads_cooperate
 from dspark_trt.runtime.sampling import SamplingParams, sample, target_probs, verify_draft
+from dspark_trt.runtime.scheduler import VerifyPolicy, make_policy, prefix_survival
+from dspark_trt.runtime.threads import ensure_cpu_threads_cooperate
+
+
+@dataclass
+class StepStats:
+    """What one step did (the server's gauges and the benchmark read these)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_decoding: int = 0
+    num_drafting: int = 0  # requests the drafter ran for (0 when the policy skipped drafting)
+    batch_tokens: int = 0  # tokens the target processed (prefill chunks included)
+    verify_budget: int = 0  # draft tokens sent to verification, summed over requests
+    scheduler_seconds: float = 0.0  # the policy's own time
+    drafter_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+@dataclass
+class EngineCounters:
+    """Totals since start (Prometheus counters are read from these)."""
+
+    num_steps: int = 0
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    scheduler_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+    def record_verification(self, num_verified: int, num_accepted: int) -> None:
+        if num_verified == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_verified
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_verified:
+            self.accepted_per_position.append(0)
+        for k in range(num_accepted):
+            self.accepted_per_position[k] += 1
 
 
 class Engine:
     def __init__(self, target: LoadedTarget, proposer: Proposer | None = None,
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), policy: VerifyPolicy | str | None = None,
+                 profile: LatencyProfile | None = None):
         ensure_cpu_threads_cooperate()
         self.target = target
+        self.policy = self._check_policy(policy, proposer)
+        if not self.policy.uses_drafter:
+            proposer = None  # plain decoding: the drafter neither runs nor keeps state
         # Target layers whose outputs each step hands to requests (`Request.new_features`): what
         # the drafter conditions on, and what datagen caches for training.
         self.feature_layers = tuple(feature_layers) or tuple(getattr(proposer, "feature_layers", ()))
@@ -47,11 +98,48 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self.counters = EngineCounters()
+        self.last_step = StepStats()
+        # Prefix survivals of each request's latest block: the lagged input of `should_draft`.
+        self.survival: dict[str, list[float]] = {}
+        self.profile = profile
+        if self.policy.needs_profile and profile is None:
+            # No profile given: a quick one now beats deciding blind (which is verify-all).
+            from dspark_trt.runtime.profile import measure_latency_profile
+
+            self.profile = measure_latency_profile(target, proposer, max_batch_tokens=min(256, max_batch_tokens),
+                                                   max_requests=max_batch_size, quick=True)
+        self.policy.set_profile(self.profile)
+
+    @staticmethod
+    def _check_policy(policy: VerifyPolicy | str | None, proposer: Proposer | None) -> VerifyPolicy:
+        if policy is None:
+            policy = "all" if proposer is not None else "none"
+        if isinstance(policy, str):
+            policy = make_policy(policy)
+        if policy.uses_drafter and proposer is None:
+            raise InvalidRequestError(f"policy {policy.name} needs a drafter (give one, or use policy none)", "policy")
+        if policy.needs_confidence and not getattr(proposer, "has_confidence", False):
+            raise InvalidRequestError(f"policy {policy.name} needs a drafter with a confidence head "
+                                      "(a DSpark drafter); use fixed:K for this one", "policy")
+        return policy
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV slots in use."""
+        return 1.0 - self.pool.num_free_slots / self.pool.num_slots
 
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
+        self.check_prompt(prompt_token_ids)
+        request = self.new_request(prompt_token_ids, params, request_id)
+        self.enqueue(request)
+        return request
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise `InvalidRequestError` for a prompt this engine cannot run."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if len(prompt_token_ids) >= self.context_length:
@@ -63,14 +151,18 @@ class Engine:
         vocab = self.target.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        request = Request(
+
+    def new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        return Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             generator=params.make_generator(),
         )
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request; it is admitted when a KV slot is free (first come, first served)."""
         self.waiting.append(request)
-        return request
 
     def abort(self, request: Request) -> None:
         request.finish_reason = FinishReason.ABORT
@@ -81,6 +173,7 @@ class Engine:
             self._release(request)
 
     def _release(self, request: Request) -> None:
+        self.survival.pop(request.request_id, None)
         if hasattr(self.proposer, "release"):
             self.proposer.release(request)
         if request.cache is not None:
@@ -94,15 +187,19 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one target forward; return the requests that committed tokens or finished."""
+        step_start = time.perf_counter()
         while self.waiting and self.pool.num_free_slots:
             request = self.waiting.popleft()
             request.cache = self.pool.allocate()
             self.running.append(request)
+            self.counters.num_prompt_tokens += len(request.prompt_token_ids)
         if not self.running:
             return []
 
+        stats = StepStats(num_running=len(self.running), num_waiting=len(self.waiting))
         decoding = [r for r in self.running if not r.in_prefill]
-        drafts = self._drafts_for(decoding)
+        stats.num_decoding = len(decoding)
+        drafts = self._drafts_for(decoding, stats)
         feeds: list[tuple[Request, list[int], Draft | None]] = []
         budget = self.max_batch_tokens
         for request in decoding:
@@ -115,6 +212,7 @@ class Engine:
                 chunk = request.prompt_token_ids[start : start + max(budget, 1)]
                 feeds.append((request, chunk, None))
                 budget -= len(chunk)
+        stats.batch_tokens = sum(len(tokens) for _, tokens, _ in feeds)
 
         # Logits: every position of a decode feed; the last prompt token of a finishing prefill.
         logits_indices, offset = [], 0
@@ -146,6 +244,7 @@ class Engine:
                 num_accepted, next_token = verify_draft(draft.tokens, draft.probs, target_probs(logits, request.params),
                                                         request.generator, request.params.greedy)
                 request.stats.record(len(draft.tokens), num_accepted)
+                self.counters.record_verification(len(draft.tokens), num_accepted)
                 # The cache holds [.., pending, d_1..d_l]; keep pending and the accepted drafts.
                 request.cache.truncate(request.cache.length - len(draft.tokens) + num_accepted)
                 self._commit(request, draft.tokens[:num_accepted] + [next_token])
@@ -165,20 +264,50 @@ class Engine:
             if request.finished:
                 self._release(request)
         self.running = [r for r in self.running if not r.finished]
+        stats.step_seconds = time.perf_counter() - step_start
+        self.counters.num_steps += 1
+        self.counters.scheduler_seconds += stats.scheduler_seconds
+        self.counters.step_seconds += stats.step_seconds
+        self.last_step = stats
         return updated
 
-    def _drafts_for(self, requests: list[Request]) -> dict[str, Draft]:
+    def _drafts_for(self, requests: list[Request], stats: StepStats) -> dict[str, Draft]:
+        """Each request's draft block, cut to the tokens the policy wants verified."""
+        no_drafts = {r.request_id: Draft([]) for r in requests}
         if self.proposer is None or not requests:
-            return {r.request_id: Draft([]) for r in requests}
+            return no_drafts
+        tick = time.perf_counter()
+        draft_now = self.policy.should_draft([self.survival.get(r.request_id) for r in requests])
+        stats.scheduler_seconds += time.perf_counter() - tick
+        if not draft_now:
+            return no_drafts
+
+        tick = time.perf_counter()
+        blocks = self.proposer.propose(requests)  # always full blocks: the trained block size
+        stats.drafter_seconds = time.perf_counter() - tick
+        stats.num_drafting = len(requests)
+
+        tick = time.perf_counter()
+        confidences = getattr(self.proposer, "last_confidences", {})
+        survival, lengths = [], []
+        for request, draft in zip(requests, blocks):
+            # Never run past the context or max_tokens: the anchor, the draft and the bonus
+            # token must all fit.
+            room = min(self.context_length - request.cache.length - 1,
+                       request.params.max_tokens - len(request.output_token_ids) - 1)
+            lengths.append(max(0, min(len(draft.tokens), room)))
+            confidence = confidences.get(request.request_id)
+            row = prefix_survival(confidence.tolist()) if confidence is not None else []
+            survival.append(row)
+            if row:
+                self.survival[request.request_id] = row
+        budgets = self.policy.budgets(survival, lengths, len(requests))
+        stats.scheduler_seconds += time.perf_counter() - tick
+
         drafts = {}
-        for request, draft in zip(requests, self.proposer.propose(requests)):
-            # Never run past the context: the draft plus the anchor must fit in it.
-            room = self.context_length - request.cache.length - 1
-            room = min(room, request.params.max_tokens - len(request.output_token_ids))
-            if len(draft.tokens) > room:
-                room = max(room, 0)
-                draft = Draft(draft.tokens[:room], None if draft.probs is None else draft.probs[:room])
-            drafts[request.request_id] = draft
+        for request, draft, count in zip(requests, blocks, budgets):
+            drafts[request.request_id] = Draft(draft.tokens[:count], None if draft.probs is None else draft.probs[:count])
+            stats.verify_budget += count
         return drafts
 
     def _commit(self, request: Request, tokens: list[int]) -> None:
@@ -191,6 +320,7 @@ class Engine:
         eos = self.target.eos_token_ids
         for token in tokens:
             request.output_token_ids.append(token)
+            self.counters.num_generated_tokens += 1
             if token in eos and not params.ignore_eos:
                 request.finish_reason = FinishReason.STOP
             elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.context_length:

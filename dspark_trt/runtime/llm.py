@@ -18,6 +18,7 @@ import torch
 from dspark_trt.errors import DsparkError, InvalidRequestError
 from dspark_trt.models.loading import LoadedTarget, load_target
 from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Proposer
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import SamplingParams
@@ -49,7 +50,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class LLM:
     def __init__(self, target: str | os.PathLike = "default", drafter: Proposer | str | None = None,
                  engine_dir: str | os.PathLike | None = None, dtype: str = "float32",
-                 max_batch_size: int = 32, max_batch_tokens: int = 2048):
+                 max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
+                 policy: str | None = None, profile: LatencyProfile | str | os.PathLike | None = None):
+        """`policy`: how many draft tokens each step verifies (`none`, `fixed:K`, `threshold:H`,
+        `dspark`, `dspark-lagged`; default: the whole block when a drafter is given, else `none`).
+        `profile`: a `profile.json` (or `LatencyProfile`) for the confidence policies; without
+        one they measure a quick profile at start-up."""
         if engine_dir is not None:
             raise DsparkError("engine directories are written by `dspark-trt build`, which this version does not have yet")
         if dtype not in DTYPES:
@@ -65,7 +71,10 @@ class LLM:
 
             model = load_drafter(drafter, self.target)
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
-        self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+        if isinstance(profile, (str, os.PathLike)):
+            profile = LatencyProfile.load(profile)
+        self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                             max_model_len=max_model_len, policy=policy, profile=profile)
 
     # ---- prompts ----------------------------------------------------------------------------
 

@@ -1,0 +1,206 @@
+"""The engine's step loop in a background thread, for servers (HTTP, Triton).
+
+Callers in any thread `submit` a request with a callback and get every committed token back as
+a `StreamDelta` (text and ids since the last delta; the last one carries the finish reason and
+the request's metrics). All running requests share one in-flight batch: the thread admits new
+requests and applies cancellations between steps, so a request joins or leaves at the next step.
+
+    submit(ids, params, on_delta) -> request id      (checks and queues; raises when full)
+    cancel(request id)                                (frees its KV memory at the next step)
+    shutdown(drain=True)                              (refuse new work, finish what runs, stop)
+
+Callbacks run on the engine thread: keep them short (hand the delta to your own loop). This
+module does no HTTP and no tokenisation of prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from dspark_trt.errors import DsparkError, InvalidRequestError
+from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.request import FinishReason, Request
+from dspark_trt.runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(DsparkError):
+    """More requests are waiting than the server allows (`max_queue`): retry later."""
+
+
+class ShuttingDownError(DsparkError):
+    """The engine is draining for shutdown and takes no new requests."""
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    token_ids: list[int]  # committed since the previous delta
+    text: str  # text since the previous delta (held back while it ends in a partial character)
+    finish_reason: str | None = None  # set on the last delta: stop | length | abort | error
+    metrics: dict | None = None  # on the last delta: RequestOutput.metrics
+    error: str | None = None  # set with finish_reason "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Stream:
+    request: Request
+    on_delta: Callable[[StreamDelta], None]
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+class EngineThread:
+    def __init__(self, engine: Engine, max_queue: int | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self._lock = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []  # ("add", _Stream) | ("cancel", request id)
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._draining = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+
+    # ---- callers' side ------------------------------------------------------------------------
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_delta: Callable[[StreamDelta], None],
+               request_id: str | None = None) -> str:
+        """Check and queue a request; raise `InvalidRequestError`, `QueueFullError` or `ShuttingDownError`."""
+        self.engine.check_prompt(prompt_token_ids)
+        with self._lock:
+            if self._draining:
+                raise ShuttingDownError("the server is shutting down and takes no new requests")
+            if self.max_queue is not None and self.num_waiting >= self.max_queue + max(0, self._free_slots()):
+                raise QueueFullError(f"{self.num_waiting} requests are already waiting (max_queue={self.max_queue})")
+            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+            request = self.engine.new_request(prompt_token_ids, params, request_id)
+            stream = _Stream(request, on_delta)
+            self._streams[request_id] = stream
+            self._inbox.append(("add", stream))
+            self._lock.notify()
+        return request_id
+
+    def _free_slots(self) -> int:
+        return self.engine.pool.num_free_slots - sum(1 for kind, _ in self._inbox if kind == "add")
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("cancel", request_id))
+            self._lock.notify()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with `drain`, let running and queued ones finish first."""
+        with self._lock:
+            self._draining = True
+            if not drain:
+                for request_id in list(self._streams):
+                    self._inbox.append(("cancel", request_id))
+            self._stopping = True
+            self._lock.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._inbox and not self.engine.has_unfinished() and not self._stopping:
+                    self._lock.wait()
+                inbox, self._inbox = self._inbox, []
+                if self._stopping and not inbox and not self.engine.has_unfinished():
+                    return
+            for kind, item in inbox:
+                if kind == "add":
+                    if item.request.finished:  # cancelled before it was admitted
+                        continue
+                    self.engine.enqueue(item.request)
+                else:
+                    self._cancel_now(item)
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                updated = self.engine.step()
+            except Exception as e:  # never die silently: fail what runs, keep serving
+                log.exception("engine step failed")
+                self._fail_all(f"{type(e).__name__}: {e}")
+                continue
+            for request in updated:
+                self._emit(request)
+
+    def _cancel_now(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.request.finished:
+            return
+        self.engine.abort(stream.request)
+        self._emit(stream.request)
+
+    def _fail_all(self, message: str) -> None:
+        for stream in list(self._streams.values()):
+            request = stream.request
+            if not request.finished:
+                self.engine.abort(request)
+            self._streams.pop(request.request_id, None)
+            self._deliver(stream, StreamDelta(request.request_id, [], "", "error", request.stats.as_dict(), message))
+
+    def _emit(self, request: Request) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        new_ids = request.output_token_ids[stream.num_sent_tokens:]
+        text = request.output_text
+        end = len(text)
+        if not request.finished:  # a token may end inside a multi-byte character: wait for the rest
+            while end > stream.num_sent_chars and text[end - 1] == "\ufffd":
+                end -= 1
+        new_text = text[stream.num_sent_chars : end] if end > stream.num_sent_chars else ""
+        if not (new_ids or new_text or request.finished):
+            return
+        stream.num_sent_tokens = len(request.output_token_ids)
+        stream.num_sent_chars = max(stream.num_sent_chars, end)
+        delta = StreamDelta(request.request_id, list(new_ids), new_text)
+        if request.finished:
+            self._streams.pop(request.request_id, None)
+            delta.finish_reason = request.finish_reason.value
+            delta.metrics = request.stats.as_dict()
+            delta.metrics["prompt_tokens"] = len(request.prompt_token_ids)
+            delta.metrics["completion_tokens"] = len(request.output_token_ids)
+        self._deliver(stream, delta)
+
+    @staticmethod
+    def _deliver(stream: _Stream, delta: StreamDelta) -> None:
+        try:
+            stream.on_delta(delta)
+        except Exception:  # a broken callback must not stop the batch
+            log.exception("stream callback failed for %s", delta.request_id)
+
+
+__all__ = ["EngineThread", "StreamDelta", "QueueFullError", "ShuttingDownError", "FinishReason"]

@@ -1,0 +1,240 @@
+"""Latency profile: how long a target step and a drafter step take on *this* machine.
+
+The verification scheduler maximises expected committed tokens per second, so it needs the
+step time of the target as a function of the batch tokens it verifies (`B = sum_r (1 + l_r)`)
+and of the drafter as a function of the number of requests it drafts for. Both are measured,
+never modelled: the curve is jagged (SIMD widths, cache sizes, kernel choices), and a jump
+in it is exactly what the scheduler should exploit.
+
+`profile.json` (DESIGN.md section 4):
+
+    {"backend": "...", "device": "...",
+     "target":  {"batch_tokens": [1, 2, 4, ...], "step_seconds": [...]},
+     "drafter": {"num_requests": [1, 2, 4, ...], "step_seconds": [...]}}
+
+Between measured points step time is interpolated linearly; past the last point it is
+extrapolated along the last segment (never below the last value).
+
+This module measures and looks up; it does not decide anything (see `scheduler.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark_trt.errors import DsparkError
+
+PROFILE_FORMAT_KEYS = ("backend", "device", "target", "drafter")
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    values, v = [], 1
+    while v < limit:
+        values.append(v)
+        v *= 2
+    return values + [limit]
+
+
+def cpu_device_name() -> str:
+    """A short name for this CPU (the profile is only valid on the machine it was measured on)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{name} x{os.cpu_count()}"
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    if not xs:
+        return 0.0
+    if x <= xs[0]:
+        return ys[0]
+    i = bisect_left(xs, x)
+    if i < len(xs):
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    else:  # extrapolate along the last segment
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        x0, x1, y0, y1 = xs[-2], xs[-1], ys[-2], ys[-1]
+    slope = (y1 - y0) / (x1 - x0)
+    value = y0 + slope * (x - x0)
+    return max(value, ys[-1]) if x > xs[-1] else value
+
+
+@dataclass
+class LatencyProfile:
+    backend: str
+    device: str
+    target_batch_tokens: list[int]
+    target_step_seconds: list[float]
+    drafter_num_requests: list[int] = field(default_factory=list)
+    drafter_step_seconds: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        for xs, ys, what in ((self.target_batch_tokens, self.target_step_seconds, "target"),
+                             (self.drafter_num_requests, self.drafter_step_seconds, "drafter")):
+            if len(xs) != len(ys):
+                raise DsparkError(f"latency profile: {what} has {len(xs)} sizes but {len(ys)} step times")
+            if list(xs) != sorted(set(xs)) or any(x < 1 for x in xs):
+                raise DsparkError(f"latency profile: {what} sizes must be increasing positive integers, got {list(xs)}")
+            if any(not (y > 0) for y in ys):
+                raise DsparkError(f"latency profile: {what} step times must be positive, got {list(ys)}")
+        if not self.target_batch_tokens:
+            raise DsparkError("latency profile: the target curve is empty")
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def target_seconds(self, batch_tokens: int) -> float:
+        """Seconds of one target step verifying `batch_tokens` tokens."""
+        return _interpolate(self.target_batch_tokens, self.target_step_seconds, batch_tokens)
+
+    def drafter_seconds(self, num_requests: int) -> float:
+        """Seconds of one drafter step for `num_requests` requests (0 when nobody drafts)."""
+        if num_requests <= 0 or not self.drafter_num_requests:
+            return 0.0
+        return _interpolate(self.drafter_num_requests, self.drafter_step_seconds, num_requests)
+
+    # ---- files --------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "device": self.device,
+                "target": {"batch_tokens": list(self.target_batch_tokens), "step_seconds": list(self.target_step_seconds)},
+                "drafter": {"num_requests": list(self.drafter_num_requests), "step_seconds": list(self.drafter_step_seconds)}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LatencyProfile":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DsparkError(f"latency profile {path} does not exist (write one with `dspark-trt profile`)") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise DsparkError(f"latency profile {path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise DsparkError(f"latency profile {path}: expected a JSON object")
+        missing = [k for k in ("backend", "device", "target") if k not in data]
+        unknown = sorted(set(data) - set(PROFILE_FORMAT_KEYS))
+        if missing or unknown:
+            raise DsparkError(f"latency profile {path}: " + (f"missing keys {missing}" if missing else f"unknown keys {unknown}"))
+        try:
+            drafter = data.get("drafter") or {}
+            return cls(backend=str(data["backend"]), device=str(data["device"]),
+                       target_batch_tokens=[int(x) for x in data["target"]["batch_tokens"]],
+                       target_step_seconds=[float(x) for x in data["target"]["step_seconds"]],
+                       drafter_num_requests=[int(x) for x in drafter.get("num_requests", [])],
+                       drafter_step_seconds=[float(x) for x in drafter.get("step_seconds", [])])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DsparkError(f"latency profile {path}: malformed curve ({e})") from None
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+@torch.inference_mode()
+def measure_target_curve(target, batch_tokens: list[int], context_length: int = 128, block: int = 8,
+                         repeats: int = 3, progress=None) -> list[float]:
+    """Target step seconds for each batch size: B tokens spread over requests as verification
+    blocks of up to `block` tokens, each request `context_length` tokens deep."""
+    model, config = target.model, target.config
+    num_slots = max(1, -(-max(batch_tokens) // block))
+    pool = model.new_pool(num_slots, context_length + block + 1)
+    caches = [pool.allocate() for _ in range(num_slots)]
+    generator = torch.Generator().manual_seed(0)
+    for cache in caches:  # fill every slot's context once (one prefill per slot)
+        ids = torch.randint(0, config.vocab_size, (context_length,), generator=generator)
+        model(ids, [context_length], [cache], torch.tensor([context_length - 1]), ())
+    seconds = []
+    for size in batch_tokens:
+        lengths = [block] * (size // block) + ([size % block] if size % block else [])
+        used = caches[: len(lengths)]
+        ids = torch.randint(0, config.vocab_size, (size,), generator=generator)
+        logits_at = torch.arange(size)
+
+        def step():
+            model(ids, lengths, used, logits_at, ())
+            for cache in used:
+                cache.truncate(context_length)
+
+        seconds.append(_median_seconds(step, repeats))
+        if progress is not None:
+            progress(f"target B={size}: {seconds[-1] * 1e3:.1f} ms")
+    return seconds
+
+
+@torch.inference_mode()
+def measure_drafter_curve(target, proposer, num_requests: list[int], context_length: int = 128,
+                          repeats: int = 3, progress=None) -> list[float]:
+    """Drafter step seconds (`propose`, one full block each) for each number of requests."""
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.runtime.sampling import SamplingParams
+
+    width = len(proposer.feature_layers) * target.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    requests = []
+    for i in range(max(num_requests)):
+        request = Request(f"profile-{i}", list(range(1, context_length)), SamplingParams(temperature=0.0),
+                          torch.Generator())
+        request.output_token_ids = [1]
+        request.new_features = torch.randn(context_length, width, generator=generator)
+        proposer.observe(request)
+        requests.append(request)
+    seconds = []
+    try:
+        for count in num_requests:
+            seconds.append(_median_seconds(lambda: proposer.propose(requests[:count]), repeats))
+            if progress is not None:
+                progress(f"drafter n={count}: {seconds[-1] * 1e3:.1f} ms")
+    finally:
+        for request in requests:
+            proposer.release(request)
+    return seconds
+
+
+def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, max_requests: int = 32,
+                            quick: bool = False, progress=None) -> LatencyProfile:
+    """Measure this machine's target and drafter curves (torch CPU backend).
+
+    `quick` (used at start-up when no profile was given) measures fewer points with one
+    repeat: a few seconds instead of a minute, coarse but far better than no curve.
+    """
+    repeats = 1 if quick else 3
+    batch_tokens = _powers_of_two(max_batch_tokens)
+    if not quick:  # odd sizes between the powers show the jaggedness the scheduler exploits
+        batch_tokens = sorted(set(batch_tokens) | {b + b // 2 for b in batch_tokens if 2 < b < max_batch_tokens})
+    target_seconds = measure_target_curve(target, batch_tokens, repeats=repeats, progress=progress)
+    num_requests, drafter_seconds = [], []
+    if proposer is not None:
+        num_requests = _powers_of_two(max_requests)
+        drafter_seconds = measure_drafter_curve(target, proposer, num_requests, repeats=repeats, progress=progress)
+    return LatencyProfile(backend="torch-cpu", device=cpu_device_name(),
+                          target_batch_tokens=batch_tokens, target_step_seconds=target_seconds,
+                          drafter_num_requests=num_requests, drafter_step_seconds=drafter_seconds)

@@ -1,0 +1,252 @@
+"""Verification policies: how many draft tokens each request verifies this step.
+
+Every step the engine drafts a full block for each decoding request (a drafter never runs
+with fewer tokens than its trained block) and then asks the policy for `l_r`, the number of
+draft tokens of request r the target checks. The rest are dropped before the target sees them.
+
+    none          plain decoding: no drafter runs at all
+    fixed:K       l_r = K (MTP-1 is the MTP-1 drafter with fixed:1)
+    threshold:H   verify positions while the prefix survival a_{r,j} = prod_{i<=j} c_{r,i} >= H
+    dspark        Algorithm 1 of the paper: walk all (r, j) by descending a_{r,j}, admit while
+                  expected tokens per second improves, stop at the first non-improvement
+    dspark-lagged the budget K comes from confidences one step old (global search over K, no
+                  early stop, so a jagged latency curve is fully exploited); the K slots then go
+                  to the current top-K prefix survivals
+
+Objective (vLLM's form, which counts the drafter too):
+    expected committed tokens / (drafter seconds(num drafting) + target seconds(batch tokens))
+with the expected tokens `sum_r (1 + sum_{j<=l_r} a_{r,j})` and the batch tokens `sum_r (1 + l_r)`.
+
+Why losslessness survives: whether position j of request r is verified may depend on anything
+but the draft token x_{r,j} itself. `c_{r,j}` looks at x_{r,j-1}, never x_{r,j}. Algorithm 1's early
+stop makes admitting (r, j) depend only on items with a larger survival, i.e. never on
+a_{r,j+1} (which depends on x_{r,j}); searching past a non-improvement would (the paper's
+appendix A; `tests/test_scheduler.py` shows the bias). The lagged budget is fixed before the
+current block exists, and a top-K set is decided by larger values only.
+
+Drafting itself is a choice under load (`should_draft`): with confidences from earlier steps,
+the policy compares the best expected rate with drafting against plain decoding and skips the
+drafter when it does not pay; the drafter then catches up on the context it missed before it
+drafts again (see `DSparkProposer.observe`).
+
+This module is pure Python over floats; the engine owns tensors and requests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dspark_trt.errors import InvalidRequestError
+from dspark_trt.runtime.profile import LatencyProfile
+
+POLICY_NAMES = ("none", "fixed:K", "threshold:H", "dspark", "dspark-lagged")
+
+
+def prefix_survival(confidences: list[float]) -> list[float]:
+    """a_j = prod_{i<=j} c_i: the probability that draft tokens 1..j all survive."""
+    survival, running = [], 1.0
+    for c in confidences:
+        running *= c
+        survival.append(running)
+    return survival
+
+
+@dataclass
+class Costs:
+    """Step-time lookups the objective needs (from a `LatencyProfile`)."""
+
+    profile: LatencyProfile
+
+    def rate(self, expected_tokens: float, batch_tokens: int, num_drafting: int) -> float:
+        seconds = self.profile.target_seconds(batch_tokens) + self.profile.drafter_seconds(num_drafting)
+        return expected_tokens / seconds
+
+
+def algorithm1(survival: list[list[float]], costs: Costs, num_drafting: int,
+               early_stop: bool = True) -> list[int]:
+    """The paper's Algorithm 1: verify budgets `l_r` from prefix survivals `survival[r][j]`.
+
+    Items are walked by descending survival (ties: earlier position first, so a request's
+    positions always come in order); each is admitted if it raises the objective. With
+    `early_stop=False` the walk skips a non-improving item and goes on (only for the tests that
+    show why that is wrong); the early stop is what keeps verification lossless.
+    """
+    num_requests = len(survival)
+    items = sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
+                   key=lambda item: (-item[0], item[1], item[2]))
+    budgets = [0] * num_requests
+    expected, batch = float(num_requests), num_requests
+    best = costs.rate(expected, batch, num_drafting)
+    for a, j, r in items:
+        if j != budgets[r]:  # a later position of a request whose earlier one was skipped
+            continue
+        candidate = costs.rate(expected + a, batch + 1, num_drafting)
+        if candidate > best:
+            best, expected, batch = candidate, expected + a, batch + 1
+            budgets[r] += 1
+        elif early_stop:
+            break
+    return budgets
+
+
+def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) -> tuple[int, float]:
+    """Global search: the total budget K (top-K survivals) with the highest rate, and that rate."""
+    num_requests = len(survival)
+    values = sorted((a for row in survival for a in row), reverse=True)
+    best_k, best_rate = 0, costs.rate(num_requests, num_requests, num_drafting)
+    expected = float(num_requests)
+    for k, a in enumerate(values, start=1):
+        expected += a
+        rate = costs.rate(expected, num_requests + k, num_drafting)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k, best_rate
+
+
+def top_k_budgets(survival: list[list[float]], total: int) -> list[int]:
+    """Give `total` verify slots to the highest prefix survivals (prefix-closed per request)."""
+    items = sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
+                   key=lambda item: (-item[0], item[1], item[2]))
+    budgets = [0] * len(survival)
+    for a, j, r in items[:total]:
+        budgets[r] = max(budgets[r], j + 1)
+    return budgets
+
+
+class VerifyPolicy:
+    """Base: verify everything drafted (subclasses narrow it)."""
+
+    name = "all"
+    uses_drafter = True
+    needs_confidence = False
+    needs_profile = False
+
+    def __init__(self):
+        self.costs: Costs | None = None
+
+    def set_profile(self, profile: LatencyProfile | None) -> None:
+        self.costs = Costs(profile) if profile is not None else None
+
+    def should_draft(self, lagged_survival: list[list[float] | None]) -> bool:
+        """Whether the drafter runs this step, from survivals of earlier steps (None = unknown)."""
+        return self.uses_drafter
+
+    def budgets(self, survival: list[list[float]], draft_lengths: list[int], num_drafting: int) -> list[int]:
+        return list(draft_lengths)
+
+
+class NoSpeculation(VerifyPolicy):
+    name = "none"
+    uses_drafter = False
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        return [0] * len(draft_lengths)
+
+
+class FixedPolicy(VerifyPolicy):
+    def __init__(self, num_tokens: int):
+        super().__init__()
+        self.num_tokens = num_tokens
+        self.name = f"fixed:{num_tokens}"
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        return [min(self.num_tokens, n) for n in draft_lengths]
+
+
+class ThresholdPolicy(VerifyPolicy):
+    needs_confidence = True
+
+    def __init__(self, threshold: float):
+        super().__init__()
+        self.threshold = threshold
+        self.name = f"threshold:{threshold:g}"
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        return [min(n, sum(1 for a in row if a >= self.threshold)) for row, n in zip(survival, draft_lengths)]
+
+
+class DSparkPolicy(VerifyPolicy):
+    """Algorithm 1 with its early stop, plus the drafter-cost-aware choice to skip drafting."""
+
+    name = "dspark"
+    needs_confidence = True
+    needs_profile = True
+    default_survival = 0.5  # assumed per-position confidence of a request with no history yet
+
+    def should_draft(self, lagged_survival):
+        if self.costs is None:
+            return True
+        known = [row for row in lagged_survival if row]
+        if not lagged_survival:
+            return False
+        if not known:  # nothing drafted yet: try, so there is something to decide from
+            return True
+        fallback = [sum(col) / len(col) for col in zip(*known)] if known else []
+        rows = [row if row else fallback for row in lagged_survival]
+        count = len(rows)
+        plain_rate = self.costs.rate(count, count, 0)
+        _, drafting_rate = best_budget(rows, self.costs, count)
+        return drafting_rate > plain_rate
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        if self.costs is None:
+            return list(draft_lengths)
+        rows = [row[:n] for row, n in zip(survival, draft_lengths)]
+        return algorithm1(rows, self.costs, num_drafting)
+
+
+class LaggedDSparkPolicy(DSparkPolicy):
+    """Section 5.2 of the paper: budget from old confidences, slots to current top-K."""
+
+    name = "dspark-lagged"
+
+    def __init__(self):
+        super().__init__()
+        self.lagged_budget = 0
+
+    def should_draft(self, lagged_survival):
+        draft = super().should_draft(lagged_survival)
+        known = [row for row in lagged_survival if row]
+        if self.costs is None or not known:
+            self.lagged_budget = -1  # unknown: verify the whole blocks this step
+        else:
+            rows = [row if row else [self.default_survival ** (j + 1) for j in range(len(known[0]))]
+                    for row in lagged_survival]
+            self.lagged_budget, _ = best_budget(rows, self.costs, len(rows) if draft else 0)
+        return draft
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        rows = [row[:n] for row, n in zip(survival, draft_lengths)]
+        if self.lagged_budget < 0:
+            return list(draft_lengths)
+        return top_k_budgets(rows, self.lagged_budget)
+
+
+def make_policy(spec: str) -> VerifyPolicy:
+    """Parse `none`, `fixed:K`, `threshold:H`, `dspark` or `dspark-lagged`."""
+    spec = spec.strip()
+    if spec == "none":
+        return NoSpeculation()
+    if spec == "dspark":
+        return DSparkPolicy()
+    if spec == "dspark-lagged":
+        return LaggedDSparkPolicy()
+    if spec == "all":
+        return VerifyPolicy()
+    name, _, value = spec.partition(":")
+    try:
+        if name == "fixed":
+            num_tokens = int(value)
+            if num_tokens < 0:
+                raise ValueError
+            return FixedPolicy(num_tokens)
+        if name == "threshold":
+            threshold = float(value)
+            if not 0.0 <= threshold <= 1.0 or math.isnan(threshold):
+                raise ValueError
+            return ThresholdPolicy(threshold)
+    except ValueError:
+        raise InvalidRequestError(f"bad policy {spec!r}: fixed:K needs an integer K >= 0, "
+                                  f"threshold:H a number H in [0, 1]", "policy") from None
+    raise InvalidRequestError(f"unknown policy {spec!r}; choose one of {', '.join(POLICY_NAMES)}", "policy")
