@@ -8,7 +8,7 @@ import torch
 
 from dspark_trt import LLM, ModelLoadError, SamplingParams
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.drafter_io import build_drafter, load_drafter, save_drafter
+from dspark_trt.models.drafter_io import load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
 from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
 from dspark_trt.training.datagen import DatagenConfig, generate_dataset
@@ -16,7 +16,7 @@ from dspark_trt.training.losses import drafter_loss, draft_logits, slot_weights
 from dspark_trt.training.prompts import load_prompts
 from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, train_drafter
 
-FEATURE_LAYERS = (1, 2)
+from tiny_drafters import FEATURE_LAYERS, make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +35,6 @@ def dataset(target, tmp_path_factory):
     return rows, load_sequences(rows, folder / "features")
 
 
-def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=2048, **options):
-    if kind == "mtp1":
-        block_size = 1
-    config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
-                                      confidence=kind == "dspark", num_layers=1, markov_rank=16,
-                                      block_size=block_size, draft_vocab_size=vocab_size, **options)
-    torch.manual_seed(0)
-    drafter = build_drafter(config, torch.arange(vocab_size)).attach_target(target.model)
-    with torch.no_grad():  # non-zero sequential head so that it matters in the tests
-        if getattr(drafter, "sequential", None) is not None:
-            drafter.sequential.w2.weight.normal_(std=0.5)
-    return drafter
 
 
 def test_datagen_features_equal_a_fresh_target_pass(target, dataset, tmp_path):

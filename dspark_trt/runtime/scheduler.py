@@ -68,26 +68,33 @@ def algorithm1(survival: list[list[float]], costs: Costs, num_drafting: int,
     """The paper's Algorithm 1: verify budgets `l_r` from prefix survivals `survival[r][j]`.
 
     Items are walked by descending survival (ties: earlier position first, so a request's
-    positions always come in order); each is admitted if it raises the objective. With
-    `early_stop=False` the walk skips a non-improving item and goes on (only for the tests that
-    show why that is wrong); the early stop is what keeps verification lossless.
+    positions always come in order); each is admitted while it raises the objective, and the
+    walk stops at the first one that does not. `early_stop=False` instead takes the best prefix
+    of the whole walk (a global search over the *current* survivals): it exists only for the
+    tests that show why that is wrong. It would admit position j because admitting j and j+1
+    together pays, and whether it pays depends on a_{j+1}, i.e. on the sampled token x_j.
     """
+    if not early_stop:
+        total, _ = best_budget(survival, costs, num_drafting)
+        return top_k_budgets(survival, total)
     num_requests = len(survival)
-    items = sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
-                   key=lambda item: (-item[0], item[1], item[2]))
     budgets = [0] * num_requests
     expected, batch = float(num_requests), num_requests
     best = costs.rate(expected, batch, num_drafting)
-    for a, j, r in items:
-        if j != budgets[r]:  # a later position of a request whose earlier one was skipped
-            continue
+    for a, j, r in _by_descending_survival(survival):
         candidate = costs.rate(expected + a, batch + 1, num_drafting)
-        if candidate > best:
-            best, expected, batch = candidate, expected + a, batch + 1
-            budgets[r] += 1
-        elif early_stop:
+        if candidate <= best:
             break
+        best, expected, batch = candidate, expected + a, batch + 1
+        budgets[r] = j + 1
     return budgets
+
+
+def _by_descending_survival(survival: list[list[float]]) -> list[tuple[float, int, int]]:
+    """(a, j, r) for every draft position, highest survival first; ties go to the earlier position,
+    so each request's positions come in order (survival never rises along a block)."""
+    return sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
+                  key=lambda item: (-item[0], item[1], item[2]))
 
 
 def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) -> tuple[int, float]:
@@ -106,10 +113,8 @@ def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) ->
 
 def top_k_budgets(survival: list[list[float]], total: int) -> list[int]:
     """Give `total` verify slots to the highest prefix survivals (prefix-closed per request)."""
-    items = sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
-                   key=lambda item: (-item[0], item[1], item[2]))
     budgets = [0] * len(survival)
-    for a, j, r in items[:total]:
+    for a, j, r in _by_descending_survival(survival)[:total]:
         budgets[r] = max(budgets[r], j + 1)
     return budgets
 

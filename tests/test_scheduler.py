@@ -1,0 +1,161 @@
+"""Verification policies: Algorithm 1 on hand-computed cases, why its early stop matters
+(the paper's appendix-A counterexample, run through the real verifier), the lagged and
+threshold policies, skipping the drafter under load, and losslessness in the engine."""
+
+import pytest
+import torch
+from scipy.stats import binomtest
+
+from dspark_trt import LLM, SamplingParams
+from dspark_trt.errors import InvalidRequestError
+from dspark_trt.runtime.profile import LatencyProfile
+from dspark_trt.runtime.sampling import sample, verify_draft
+from dspark_trt.models.drafter_io import save_drafter
+from dspark_trt.models.loading import load_target
+from dspark_trt.runtime.scheduler import (Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1, best_budget,
+                                          make_policy, prefix_survival, top_k_budgets)
+from tiny_drafters import make_drafter
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return load_target(tiny_llama)
+
+
+def costs(batch_tokens, seconds, drafter_requests=(), drafter_seconds=()):
+    return Costs(LatencyProfile("test", "test", list(batch_tokens), list(seconds),
+                                list(drafter_requests), list(drafter_seconds)))
+
+
+def test_prefix_survival_is_the_running_product():
+    assert prefix_survival([0.9, 0.5, 0.2]) == pytest.approx([0.9, 0.45, 0.09])
+
+
+def test_algorithm1_hand_computed():
+    # Two requests; batch 2 (anchors only) takes 1.0 s and each extra token 0.1 s, then a jump.
+    cost = costs([2, 3, 4, 5, 6], [1.0, 1.1, 1.2, 1.5, 1.6])
+    survival = [[0.9, 0.6], [0.8, 0.2]]
+    # rate: none 2/1.0 = 2.0; +0.9 -> 2.9/1.1 = 2.64; +0.8 -> 3.7/1.2 = 3.08; +0.6 -> 4.3/1.5 = 2.87 stop.
+    assert algorithm1(survival, cost, num_drafting=0) == [1, 1]
+    # A cheap machine admits everything; an expensive extra token admits nothing.
+    assert algorithm1(survival, costs([2, 6], [1.0, 1.0001]), 0) == [2, 2]
+    assert algorithm1(survival, costs([2, 3], [1.0, 2.0]), 0) == [0, 0]
+
+
+def test_algorithm1_stops_early_where_a_global_search_would_not():
+    # Batch 6 is faster than batch 5 (a jagged curve): only a search past the dip finds it.
+    cost = costs([2, 3, 4, 5, 6], [1.0, 1.1, 1.2, 1.5, 1.25])
+    survival = [[0.9, 0.6], [0.8, 0.2]]
+    assert algorithm1(survival, cost, 0) == [1, 1]
+    assert algorithm1(survival, cost, 0, early_stop=False) == [2, 2]  # 4.5 / 1.25 = 3.6 > 3.08
+    assert best_budget(survival, cost, 0)[0] == 4
+    assert top_k_budgets(survival, 3) == [2, 1]
+
+
+def test_drafter_cost_enters_the_objective():
+    survival = [[0.5, 0.25]] * 4
+    cheap = costs([4, 12], [1.0, 1.2], [1, 4], [0.01, 0.02])
+    dear = costs([4, 12], [1.0, 1.2], [1, 4], [5.0, 10.0])
+    for cost, should in ((cheap, True), (dear, False)):
+        policy = DSparkPolicy()
+        policy.costs = cost
+        assert policy.should_draft(survival) is should
+    policy = DSparkPolicy()
+    policy.costs = dear
+    assert policy.should_draft([None] * 4) is True  # no history yet: draft once to learn
+
+
+def appendix_a_first_token_distribution(early_stop: bool, num_samples: int = 6000, seed: int = 0) -> float:
+    """P(first committed token = 0) when verification budgets come from Algorithm 1.
+
+    Target p = (0.5, 0.5); the drafter proposes x_1 ~ q = (0.9, 0.1). c_1 = 0.3, and the second
+    position's confidence looks at x_1 (as the confidence head does): c_2 = 0.95 if x_1 = 0 else 0.05.
+    The latency curve is jagged: verifying one draft token costs 1.5 s, two cost the same 1.5 s.
+    """
+    p = torch.tensor([0.5, 0.5])
+    q = torch.tensor([0.9, 0.1])
+    cost = costs([1, 2, 3], [1.0, 1.5, 1.5])
+    generator = torch.Generator().manual_seed(seed)
+    zeros = 0
+    for _ in range(num_samples):
+        draft = [sample(q, generator), sample(q, generator)]
+        survival = prefix_survival([0.3, 0.95 if draft[0] == 0 else 0.05])
+        (budget,) = algorithm1([survival], cost, 0, early_stop=early_stop)
+        accepted, next_token = verify_draft(draft[:budget], q.expand(budget, 2), p.expand(budget + 1, 2),
+                                            generator, greedy=False)
+        first = draft[0] if accepted else next_token
+        zeros += first == 0
+    return zeros
+
+
+def test_appendix_a_without_the_early_stop_the_distribution_is_wrong():
+    num_samples = 6000
+    # Without the early stop x_1 is verified exactly when x_1 = 0 (then a_2 makes the pair pay):
+    # P(0) = 0.9 * (0.5 / 0.9) + 0.1 * 0.5 = 0.55 instead of 0.5.
+    biased = appendix_a_first_token_distribution(early_stop=False, num_samples=num_samples)
+    assert binomtest(biased, num_samples, 0.5).pvalue < 1e-6
+    assert binomtest(biased, num_samples, 0.55).pvalue > 1e-3
+    exact = appendix_a_first_token_distribution(early_stop=True, num_samples=num_samples)
+    assert binomtest(exact, num_samples, 0.5).pvalue > 1e-3
+
+
+def test_early_stop_stays_exact_when_it_does_verify():
+    """Same drafts, a curve where the first token pays on its own: Algorithm 1 verifies it (and the
+    second only when x_1 = 0 makes a_2 large) and the committed token is still p-distributed."""
+    p = torch.tensor([0.5, 0.5])
+    q = torch.tensor([0.9, 0.1])
+    cost = costs([1, 2, 3], [1.0, 1.2, 1.45])
+    generator = torch.Generator().manual_seed(1)
+    zeros, verified = 0, 0
+    for _ in range(6000):
+        draft = [sample(q, generator), sample(q, generator)]
+        survival = prefix_survival([0.3, 0.95 if draft[0] == 0 else 0.05])
+        (budget,) = algorithm1([survival], cost, 0)
+        verified += budget >= 1
+        accepted, next_token = verify_draft(draft[:budget], q.expand(budget, 2), p.expand(budget + 1, 2),
+                                            generator, greedy=False)
+        zeros += (draft[0] if accepted else next_token) == 0
+    assert verified == 6000
+    assert binomtest(zeros, 6000, 0.5).pvalue > 1e-3
+
+
+def test_lagged_budget_comes_from_old_confidences():
+    policy = LaggedDSparkPolicy()
+    policy.costs = costs([2, 3, 4, 5, 6], [1.0, 1.1, 1.2, 1.5, 1.25])
+    assert policy.should_draft([[0.9, 0.6], [0.8, 0.2]])  # global search over the jagged curve: K = 4
+    assert policy.lagged_budget == 4
+    # This step's confidences are lower, but the budget was fixed beforehand: top 4 slots.
+    assert policy.budgets([[0.5, 0.1], [0.4, 0.3]], [2, 2], 2) == [2, 2]
+    policy.lagged_budget = 1
+    assert policy.budgets([[0.5, 0.1], [0.6, 0.3]], [2, 2], 2) == [0, 1]
+
+
+def test_threshold_fixed_and_none_policies():
+    assert make_policy("threshold:0.5").budgets([[0.9, 0.6, 0.4], [0.3]], [3, 1], 2) == [2, 0]
+    assert make_policy("fixed:2").budgets([[], []], [7, 1], 2) == [2, 1]
+    none = make_policy("none")
+    assert not none.uses_drafter and none.budgets([[]], [7], 1) == [0]
+    for bad in ("fixed:-1", "fixed:x", "threshold:2", "bogus"):
+        with pytest.raises(InvalidRequestError, match="policy"):
+            make_policy(bad)
+
+
+def test_policies_need_what_they_use(tiny_llama, target, tmp_path):
+    save_drafter(make_drafter(target, kind="dflash"), tmp_path / "dflash")
+    with pytest.raises(InvalidRequestError, match="confidence head"):
+        LLM(target=tiny_llama, drafter=tmp_path / "dflash", policy="dspark")
+    with pytest.raises(InvalidRequestError, match="needs a drafter"):
+        LLM(target=tiny_llama, policy="fixed:3")
+
+
+@pytest.mark.parametrize("policy", ["none", "fixed:2", "threshold:0.3", "dspark", "dspark-lagged"])
+def test_every_policy_is_lossless_at_temperature_zero(tiny_llama, target, tmp_path, policy):
+    save_drafter(make_drafter(target), tmp_path / "dspark")
+    prompts = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(target=tiny_llama).generate(prompts, params)]
+    llm = LLM(target=tiny_llama, drafter=tmp_path / "dspark", policy=policy)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    if policy != "none":
+        assert llm.engine.counters.num_steps > 0
+        assert llm.engine.profile is not None or not llm.engine.policy.needs_profile

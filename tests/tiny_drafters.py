@@ -1,0 +1,22 @@
+"""Tiny random drafters for tests (shared by several test files; not a test module)."""
+
+import torch
+
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.drafter_io import build_drafter
+
+FEATURE_LAYERS = (1, 2)
+
+
+def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=2048, **options):
+    if kind == "mtp1":
+        block_size = 1
+    config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
+                                      confidence=kind == "dspark", num_layers=1, markov_rank=16,
+                                      block_size=block_size, draft_vocab_size=vocab_size, **options)
+    torch.manual_seed(0)
+    drafter = build_drafter(config, torch.arange(vocab_size)).attach_target(target.model)
+    with torch.no_grad():  # non-zero sequential head so that it matters in the tests
+        if getattr(drafter, "sequential", None) is not None:
+            drafter.sequential.w2.weight.normal_(std=0.5)
+    return drafter
