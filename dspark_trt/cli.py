@@ -263,5 +263,9 @@ def parse_floats(text: str, option: str) -> list[float]:
         raise click.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=option) from None
 
 
+from dspark_trt.builder.cli_build import build_command  # noqa: E402
+
+main.add_command(build_command)
+
 if __name__ == "__main__":
     main()

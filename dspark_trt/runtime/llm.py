@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_trt.errors import DsparkError, InvalidRequestError
+from dspark_trt.errors import InvalidRequestError
 from dspark_trt.models.loading import LoadedTarget, load_target
 from dspark_trt.runtime.engine import Engine
 from dspark_trt.runtime.profile import LatencyProfile
@@ -56,11 +56,25 @@ class LLM:
         `dspark`, `dspark-lagged`; default: the whole block when a drafter is given, else `none`).
         `profile`: a `profile.json` (or `LatencyProfile`) for the confidence policies; without
         one they measure a quick profile at start-up."""
-        if engine_dir is not None:
-            raise DsparkError("engine directories are written by `dspark-trt build`, which this version does not have yet")
+        built = None
+        if engine_dir is not None:  # target, drafter and latency profile come from what `dspark-trt build` wrote
+            from dspark_trt.runtime.engine_dir import open_engine_dir
+
+            if drafter is not None:
+                raise InvalidRequestError("give engine_dir or drafter, not both (the engine directory has its drafter)",
+                                          "drafter")
+            built = open_engine_dir(engine_dir)
+            target, drafter = built.target_spec, built.drafter_path
+            profile = profile if profile is not None else built.profile_path
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
         self.target: LoadedTarget = load_target(target, DTYPES[dtype])
+        if built is not None:
+            built.check_target(self.target.name, self.target.config)
+            if built.backend == "tensorrt":
+                from dspark_trt.runtime.trt_backend import tensorrt_target
+
+                self.target = tensorrt_target(self.target, built.file("target_engine"))
         self.tokenizer = self.target.tokenizer
         proposer = drafter
         if isinstance(drafter, (str, os.PathLike)):

@@ -1,0 +1,290 @@
+"""`dspark-trt build`: one config in, one engine directory out (layout: runtime/engine_dir.py).
+
+Steps, each reported with its wall time:
+
+    1. load      target and drafter (identity checks name the mismatched field), block size check
+    2. export    target.onnx, drafter.onnx (SequentialDraft node), drafter_unrolled.onnx
+    3. validate  ONNX Runtime vs torch with polygraphy; polygraphy inspect + lint
+    4. engines   TensorRT engines when tensorrt imports and a GPU is present, else the reason
+    5. profile   latency profile of the serving backend on this machine (runtime/profile.py)
+    6. package   drafter checkpoint copy, optional TensorRT-LLM layout, manifest.json (last)
+
+Everything is written into a hidden staging folder beside the output and renamed into place
+only when every step succeeded, so an interrupted or failed build never leaves a directory
+that `serve` accepts (a directory is servable only with its manifest, written last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark_trt import __version__
+from dspark_trt.config import BuildConfig
+from dspark_trt.errors import DsparkError, ModelLoadError
+from dspark_trt.runtime.engine_dir import FORMAT_VERSION, MANIFEST, PROFILE, current_device
+
+STEPS = ("load", "export", "validate", "engines", "profile", "package")
+
+
+class BuildError(DsparkError):
+    """The build cannot proceed (output exists, engines required but unavailable, ...)."""
+
+
+@dataclass
+class BuildReport:
+    output: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+class _Steps:
+    """Numbered progress lines with the wall time of each step."""
+
+    def __init__(self, progress, seconds: dict):
+        self.progress, self.seconds, self.index = progress, seconds, 0
+
+    def __call__(self, name: str, what: str):
+        self.index += 1
+        self.progress(f"[{self.index}/{len(STEPS)}] {name}: {what}")
+        return _Timer(self, name)
+
+
+class _Timer:
+    def __init__(self, steps: _Steps, name: str):
+        self.steps, self.name = steps, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, kind, *_):
+        elapsed = time.perf_counter() - self.start
+        self.steps.seconds[self.name] = round(elapsed, 2)
+        if kind is None:
+            self.steps.progress(f"      {self.name} done in {elapsed:.1f} s")
+
+
+def resolve_specs(config: BuildConfig) -> tuple[str, str | None]:
+    """Target and drafter specs with `tiny-random` made concrete (created once, cached)."""
+    from dspark_trt.builder.tiny import TINY_SPEC, tiny_drafter_folder, tiny_target_folder
+
+    target = str(tiny_target_folder()) if config.target == TINY_SPEC else config.target
+    drafter = config.drafter
+    if drafter == TINY_SPEC:
+        if config.target != TINY_SPEC:
+            raise BuildError("drafter 'tiny-random' only fits target 'tiny-random'")
+        drafter = str(tiny_drafter_folder(block_size=config.block_size or 4))
+    if target != "default":
+        target = str(Path(target).expanduser().resolve())
+    return target, drafter
+
+
+def load_models(config: BuildConfig, target_spec: str, drafter_spec: str | None):
+    from dspark_trt.models.drafter import DSparkDrafter
+    from dspark_trt.models.drafter_io import load_drafter
+    from dspark_trt.models.loading import load_target
+
+    target = load_target(target_spec)
+    if drafter_spec is None:
+        return target, None
+    drafter = load_drafter(drafter_spec, target)
+    if not isinstance(drafter, DSparkDrafter):
+        raise ModelLoadError(f"drafter {drafter_spec}: kind {drafter.config.kind!r} cannot be built; the builder "
+                             "exports DSpark and DFlash drafters")
+    if config.block_size is not None and drafter.config.block_size != config.block_size:
+        raise ModelLoadError(f"block_size: the config asks for {config.block_size} but drafter {drafter_spec} was "
+                             f"trained with block size {drafter.config.block_size}")
+    return target, drafter
+
+
+def _staging_dir(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial-{os.getpid()}"
+
+
+def _install(staging: Path, output: Path) -> None:
+    """Move the finished staging folder into place (replacing an old output in two renames)."""
+    if output.exists():
+        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        os.replace(output, old)
+        os.replace(staging, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, output)
+
+
+def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", force: bool = False,
+          progress=print) -> BuildReport:
+    output = Path(output).expanduser().resolve()
+    if output.exists() and not force:
+        raise BuildError(f"{output} already exists; pass --force to replace it")
+    if config.engines.build == "require":
+        from dspark_trt.builder.trt_engines import why_no_engines
+
+        reason = why_no_engines()
+        if reason:
+            raise BuildError(f"engines.build is 'require' but {reason}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = _staging_dir(output)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    report = BuildReport(output)
+    try:
+        report.manifest = _run_steps(config, staging, fmt, _Steps(progress, report.seconds), progress)
+        report.manifest["build"]["seconds"] = dict(report.seconds)
+        report.manifest["build"]["total_seconds"] = round(report.total_seconds, 2)
+        (staging / MANIFEST).write_text(json.dumps(report.manifest, indent=2) + "\n")  # last: makes it servable
+        _install(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    progress(f"engine directory {output} ready in {report.total_seconds:.1f} s")
+    return report
+
+
+def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progress) -> dict:
+    from dspark_trt.builder import onnx_export, validate
+    from dspark_trt.builder.trt_engines import build_engines, why_no_engines
+
+    with step("load", f"target {config.target!r}, drafter {config.drafter!r}"):
+        target_spec, drafter_spec = resolve_specs(config)
+        target, drafter = load_models(config, target_spec, drafter_spec)
+        feature_layers = tuple(drafter.config.feature_layers) if drafter is not None else ()
+
+    onnx_dir, report_dir = staging / "onnx", staging / "validation"
+    onnx_dir.mkdir()
+    report_dir.mkdir()
+    files = {"target_onnx": "onnx/target.onnx"}
+    with step("export", "ONNX graphs (torch.onnx, dynamo)"):
+        target_feeds, target_golden = onnx_export.sample_target_inputs(target, config, feature_layers)
+        onnx_export.export_target(target, feature_layers, config, target_feeds, onnx_dir / "target.onnx")
+        if drafter is not None:
+            drafter_feeds = onnx_export.sample_drafter_inputs(target, drafter, config)
+            onnx_export.export_drafter(drafter, config, drafter_feeds, onnx_dir / "drafter.onnx", use_plugin=True)
+            onnx_export.export_drafter(drafter, config, drafter_feeds, onnx_dir / "drafter_unrolled.onnx",
+                                       use_plugin=False)
+            files.update(drafter_onnx="onnx/drafter.onnx", drafter_unrolled_onnx="onnx/drafter_unrolled.onnx")
+
+    with step("validate", "ONNX Runtime vs torch (polygraphy), inspect, lint"):
+        checks = {"target": validate.validate_target(target, feature_layers, config, target_feeds, target_golden,
+                                                     onnx_dir / "target.onnx", report_dir)}
+        if drafter is not None:
+            checks["drafter"] = validate.validate_drafter(drafter, config, drafter_feeds,
+                                                          onnx_dir / "drafter_unrolled.onnx", report_dir)
+            checks["plugin_node"] = validate.check_plugin_node(onnx_dir / "drafter.onnx")
+        checks["polygraphy"] = validate.inspect_and_lint(onnx_dir, report_dir)
+        (report_dir / "report.json").write_text(json.dumps(checks, indent=2) + "\n")
+        files["validation"] = "validation/report.json"
+        _summarise_validation(checks, progress)
+
+    engines: dict = {"built": False}
+    with step("engines", "TensorRT"):
+        reason = why_no_engines() if config.engines.build != "never" else "engines.build is 'never'"
+        if reason:
+            engines["reason"] = reason
+            progress(f"      skipped: {reason}; the CPU backend serves")
+        else:
+            engines = build_engines(onnx_dir, staging / "engines", config, target.config,
+                                    drafter.config if drafter is not None else None, progress)
+            files["target_engine"] = "engines/target.plan"
+            if drafter is not None:
+                files["drafter_engine"] = "engines/drafter.plan"
+    backend = "tensorrt" if engines.get("built") else "torch-cpu"
+
+    with step("profile", f"latency of the {backend} backend"):
+        if config.profile.measure:
+            profile = measure_profile(config, target, drafter, staging, backend, progress)
+            profile.save(staging / PROFILE)
+            files["profile"] = PROFILE
+        else:
+            progress("      skipped (profile.measure is false): the server measures a quick profile at start-up")
+
+    with step("package", "drafter checkpoint, manifest" + (", TensorRT-LLM layout" if fmt == "trtllm" else "")):
+        drafter_entry = None
+        if drafter is not None:
+            shutil.copytree(drafter_spec, staging / "drafter",
+                            ignore=shutil.ignore_patterns(".*", "*.old"))
+            c = drafter.config
+            drafter_entry = {"path": "drafter", "source": str(drafter_spec), "kind": c.kind, "head": c.head,
+                             "block_size": c.block_size, "feature_layers": list(c.feature_layers),
+                             "draft_vocab_size": int(drafter.draft_vocab.numel()), "confidence": c.confidence,
+                             "calibrated": bool(c.confidence_temperatures), "num_layers": c.num_layers}
+        trtllm = None
+        if fmt == "trtllm":
+            from dspark_trt.builder.trtllm import write_trtllm_layout
+
+            trtllm = write_trtllm_layout(staging, target, drafter, staging / PROFILE if "profile" in files else None)
+            files["trtllm"] = "trtllm"
+        return _manifest(config, target, target_spec, drafter_entry, backend, engines, files, checks, trtllm)
+
+
+def measure_profile(config: BuildConfig, target, drafter, staging: Path, backend: str, progress):
+    from dspark_trt.runtime.profile import measure_latency_profile
+
+    proposer = None
+    if backend == "tensorrt":
+        from dspark_trt.runtime.trt_backend import tensorrt_target
+
+        target = tensorrt_target(target, staging / "engines" / "target.plan")
+    if drafter is not None:
+        from dspark_trt.runtime.dspark_proposer import DSparkProposer
+
+        proposer = DSparkProposer(drafter)
+    p = config.profile
+    profile = measure_latency_profile(target, proposer, max_batch_tokens=p.max_batch_tokens,
+                                      max_requests=p.max_requests, quick=p.quick,
+                                      progress=lambda line: progress(f"      {line}"))
+    profile.backend, profile.device = backend, current_device(backend)
+    return profile
+
+
+def _summarise_validation(checks: dict, progress) -> None:
+    from dspark_trt.builder.validate import ValidationFailed
+
+    t = checks["target"]["onnxruntime_vs_torch_max_abs"]
+    progress(f"      target: ONNX Runtime vs torch max |diff| logits {t['logits']:.2e}, features {t['features']:.2e}")
+    if "drafter" in checks:
+        d = checks["drafter"]
+        progress(f"      drafter: greedy tokens identical {d['greedy_tokens_identical_onnxruntime']} (ONNX Runtime), "
+                 f"{d['greedy_tokens_identical_runtime_proposer']} (runtime proposer); max |diff| probs "
+                 f"{d['onnxruntime_vs_torch_max_abs']['distributions']:.2e}, confidences "
+                 f"{d['onnxruntime_vs_torch_max_abs']['confidences']:.2e}")
+    failed = [name for name in ("target", "drafter", "plugin_node") if name in checks and not checks[name]["ok"]]
+    failed += [f"polygraphy inspect {n}" for n, e in checks["polygraphy"].items() if not e["inspect_ok"]]
+    failed += [f"polygraphy lint {n}" for n, e in checks["polygraphy"].items() if e.get("lint_ok") is False]
+    if failed:
+        raise ValidationFailed(f"validation failed ({', '.join(failed)}): "
+                               + json.dumps({k: checks[k] for k in ("target", "drafter") if k in checks})[:1500])
+
+
+def _manifest(config, target, target_spec, drafter_entry, backend, engines, files, checks, trtllm) -> dict:
+    c = target.config
+    return {
+        "format_version": FORMAT_VERSION,
+        "dspark_trt_version": __version__,
+        "name": config.name,
+        "backend": backend,
+        "device": current_device(backend),
+        "dtype": "float32",
+        "target": {"spec": target_spec, "name": target.name, "architecture": c.architecture,
+                   "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_layers": c.num_layers,
+                   "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim},
+        "drafter": drafter_entry,
+        "block_size": drafter_entry["block_size"] if drafter_entry else None,
+        "feature_layers": drafter_entry["feature_layers"] if drafter_entry else [],
+        "vocab_size": c.vocab_size,
+        "shapes": {"target": config.target_shapes.model_dump(), "drafter": config.drafter_shapes.model_dump()},
+        "engines": engines,
+        "files": files,
+        "validation": {k: v["ok"] for k, v in checks.items() if isinstance(v, dict) and "ok" in v},
+        "trtllm": trtllm,
+        "config": config.model_dump(),
+        "build": {"created_unix": int(time.time())},
+    }

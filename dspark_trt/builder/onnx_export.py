@@ -1,0 +1,141 @@
+"""Export the target step and the drafter to ONNX files (torch.onnx, dynamo exporter).
+
+Three graphs, all fp32 with dynamic shapes bounded by the build config:
+
+    target.onnx            ExportTarget: ragged tokens + positions + slots, KV pool in and out,
+                           logits and feature-layer hidden states out
+    drafter.onnx           ExportDrafter with the sequential head as one `dspark::SequentialDraft`
+                           node (for TensorRT, which resolves it to our plugin)
+    drafter_unrolled.onnx  the same drafter with the head traced into standard ops (ONNX Runtime, CPU)
+
+Example inputs come from `sample_*_inputs` (also what validation feeds). Each exported model
+is checked with `onnx.checker` before it is kept. This module does not run or compare models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from dspark_trt.builder.export_drafter import ExportDrafter
+from dspark_trt.builder.export_drafter import INPUT_NAMES as DRAFTER_INPUTS
+from dspark_trt.builder.export_drafter import OUTPUT_NAMES as DRAFTER_OUTPUTS
+from dspark_trt.builder.export_target import INPUT_NAMES as TARGET_INPUTS
+from dspark_trt.builder.export_target import OUTPUT_NAMES as TARGET_OUTPUTS
+from dspark_trt.builder.export_target import ExportTarget
+from dspark_trt.config import BuildConfig
+from dspark_trt.errors import DsparkError
+from dspark_trt.models.loading import LoadedTarget
+from dspark_trt.plugins import sequential_draft as sd
+
+
+class ExportError(DsparkError):
+    """torch.onnx could not export a model (a bug or an unsupported architecture)."""
+
+
+@dataclass
+class TargetSample:
+    """A ragged step after a prefill: feeds for ExportTarget and what the runtime forward returned."""
+
+    feeds: dict[str, torch.Tensor]
+    counts: list[int]
+
+
+def sample_target_inputs(target: LoadedTarget, config: BuildConfig, feature_layers: tuple[int, ...]):
+    """A realistic ragged step: requests with prompts in their slots, then a mix of a decode
+    token, a verification block and a prefill chunk. Returns (feeds, runtime outputs) where the
+    runtime outputs come from our own forward (`TargetModel.forward`), the golden reference."""
+    v = config.validation
+    model = target.model
+    generator = torch.Generator().manual_seed(v.seed)
+    n = v.num_requests
+    capacity = max(config.target_shapes.slot_capacity.min, 2 * v.context_tokens + 16)
+    pool = model.new_pool(max(n, 2), capacity)
+    caches = [pool.allocate() for _ in range(n)]
+    for i, cache in enumerate(caches):  # prompts of different lengths
+        length = max(1, v.context_tokens - 3 * i)
+        model(torch.randint(0, target.config.vocab_size, (length,), generator=generator), [length], [cache],
+              torch.tensor([length - 1]), ())
+    counts = [(1, 8, 5)[i % 3] for i in range(n)]  # decode token, verify block, prefill chunk
+    ids = torch.randint(0, target.config.vocab_size, (sum(counts),), generator=generator)
+    positions = torch.cat([torch.arange(c.length, c.length + k) for c, k in zip(caches, counts)])
+    slots = torch.cat([torch.full((k,), c.slot) for c, k in zip(caches, counts)])
+    logits_at = torch.arange(sum(counts))
+    feeds = {"input_ids": ids, "positions": positions, "token_slots": slots, "logits_indices": logits_at,
+             "past_keys": pool.keys.clone(), "past_values": pool.values.clone()}
+    out = model(ids, counts, caches, logits_at, feature_layers)
+    golden = {"logits": out.logits, "features": out.features, "present_keys": pool.keys.clone(),
+              "present_values": pool.values.clone()}
+    return feeds, golden
+
+
+def sample_drafter_inputs(target: LoadedTarget, drafter, config: BuildConfig) -> dict[str, torch.Tensor]:
+    """Context features from the real target (prompts through the target's feature layers),
+    anchors, temperatures mixing greedy and sampled rows, and uniforms."""
+    v = config.validation
+    generator = torch.Generator().manual_seed(v.seed + 1)
+    layers = tuple(drafter.config.feature_layers)
+    n = v.num_requests
+    lengths = [max(1, v.context_tokens - 2 * i) for i in range(n)]
+    pool = target.model.new_pool(n, v.context_tokens + 1)
+    width = len(layers) * target.config.hidden_size
+    features = torch.zeros(n, max(lengths), width)
+    anchors = []
+    for i, length in enumerate(lengths):
+        ids = torch.randint(0, target.config.vocab_size, (length + 1,), generator=generator)
+        out = target.model(ids[:length], [length], [pool.allocate()], torch.tensor([length - 1]), layers)
+        features[i, :length] = out.features
+        anchors.append(int(ids[length]))
+    temperatures = torch.tensor([(0.0, 1.0, 0.7)[i % 3] for i in range(n)])
+    return {"context_features": features, "context_lengths": torch.tensor(lengths), "anchor_tokens": torch.tensor(anchors),
+            "temperatures": temperatures, "uniforms": torch.rand(n, drafter.config.block_size, generator=generator)}
+
+
+def _dim(name: str, shape_range) -> Dim:
+    return Dim(name, min=shape_range.min, max=shape_range.max)
+
+
+def _export(module, feeds: dict, input_names, output_names, dynamic_shapes, path: Path, opset: int,
+            translation=None) -> None:
+    import onnx
+
+    args = tuple(feeds[name] for name in input_names)
+    log = io.StringIO()
+    try:  # torch.onnx prints progress lines and warnings of its own; keep them for the error
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log), torch.no_grad():
+            warnings.simplefilter("ignore")
+            logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+            program = torch.onnx.export(module, args, dynamo=True, input_names=list(input_names),
+                                        output_names=list(output_names), dynamic_shapes=dynamic_shapes,
+                                        opset_version=opset, external_data=False, custom_translation_table=translation)
+        program.save(str(path))
+    except Exception as exc:
+        raise ExportError(f"exporting {path.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    onnx.checker.check_model(str(path))
+
+
+def export_target(target: LoadedTarget, feature_layers: tuple[int, ...], config: BuildConfig, feeds: dict,
+                  path: Path) -> None:
+    s = config.target_shapes
+    tokens, logits, slots, capacity = (_dim("batch_tokens", s.batch_tokens), _dim("num_logits", s.num_logits),
+                                       _dim("num_slots", s.num_slots), _dim("slot_capacity", s.slot_capacity))
+    dynamic = {"input_ids": {0: tokens}, "positions": {0: tokens}, "token_slots": {0: tokens},
+               "logits_indices": {0: logits}, "past_keys": {1: slots, 3: capacity}, "past_values": {1: slots, 3: capacity}}
+    _export(ExportTarget(target.model, feature_layers), feeds, TARGET_INPUTS, TARGET_OUTPUTS, dynamic, path,
+            config.opset)
+
+
+def export_drafter(drafter, config: BuildConfig, feeds: dict, path: Path, use_plugin: bool) -> None:
+    s = config.drafter_shapes
+    batch, context = _dim("num_requests", s.num_requests), _dim("context", s.context)
+    dynamic = {"context_features": {0: batch, 1: context}, "context_lengths": {0: batch},
+               "anchor_tokens": {0: batch}, "temperatures": {0: batch}, "uniforms": {0: batch}}
+    _export(ExportDrafter(drafter, use_plugin=use_plugin), feeds, DRAFTER_INPUTS, DRAFTER_OUTPUTS, dynamic, path,
+            config.opset, translation=sd.onnx_translation() if use_plugin else None)

@@ -1,0 +1,173 @@
+"""Validate the exported graphs against torch, with polygraphy, and write a report.
+
+Checks, each with the maximum absolute differences it measured:
+- target: ExportTarget in torch and `target.onnx` in ONNX Runtime against our own runtime
+  forward (`TargetModel.forward`) on a ragged step (decode token, verify block, prefill chunk):
+  logits, features and the updated KV pool;
+- drafter: `drafter_unrolled.onnx` in ONNX Runtime against ExportDrafter in torch (the
+  SequentialDraft custom op), and ExportDrafter against the runtime's `DSparkProposer` on the
+  greedy rows (identical draft tokens, confidences);
+- `drafter.onnx` holds exactly one `dspark::SequentialDraft` node with the TensorRT plugin
+  attributes, and `polygraphy inspect model` reads every graph; `polygraphy check lint` runs
+  on the graphs ONNX Runtime can execute (the plugin graph needs TensorRT to run).
+
+The golden inputs and outputs are saved in polygraphy's JSON format, so that on a GPU machine
+`polygraphy run DIR/onnx/target.onnx --trt --load-inputs ... --load-outputs ...` compares
+TensorRT to the same torch outputs (see ci/gpu.sh). This module does not build engines.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark_trt.config import BuildConfig
+from dspark_trt.errors import DsparkError
+
+
+class ValidationFailed(DsparkError):
+    """The exported graphs do not reproduce torch within the configured tolerances."""
+
+
+def _np(feeds: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() for k, v in feeds.items()}
+
+
+def _max_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, float]:
+    return {k: float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) if a[k].size else 0.0 for k in b}
+
+
+def run_onnxruntime(path: Path, feeds: dict[str, np.ndarray], golden: dict[str, np.ndarray], atol: dict[str, float],
+                    golden_dir: Path, name: str) -> tuple[dict[str, np.ndarray], bool]:
+    """Run `path` in ONNX Runtime through polygraphy's Comparator and compare to `golden` with
+    per-output absolute tolerances. Saves inputs and golden outputs as polygraphy JSON."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.json import save_json
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # the report carries the numbers
+    runner = OnnxrtRunner(SessionFromOnnx(str(path), providers=["cpu"]))
+    results = Comparator.run([runner], data_loader=[feeds])
+    torch_results = RunResults([("torch", [IterationResult(golden, runner_name="torch")])])
+    golden_dir.mkdir(parents=True, exist_ok=True)
+    save_json([feeds], golden_dir / f"{name}_inputs.json")
+    torch_results.save(str(golden_dir / f"{name}_golden.json"))
+    results.extend(torch_results)
+    accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=0.0))
+    ort_outputs = {k: np.asarray(v) for k, v in results[0][1][0].items()}
+    return ort_outputs, bool(accuracy)
+
+
+def polygraphy_cli(*args: str) -> tuple[int, str]:
+    """Run the `polygraphy` command line (its own process, as users run it)."""
+    script = Path(sys.executable).with_name("polygraphy")  # the package has no __main__
+    cmd = [sys.executable, str(script)] if script.is_file() else [shutil.which("polygraphy") or "polygraphy"]
+    cmd += list(args)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done.returncode, (done.stdout + done.stderr)
+
+
+def inspect_and_lint(onnx_dir: Path, report_dir: Path) -> dict:
+    """`polygraphy inspect model` on every graph, `polygraphy check lint` on the ORT-runnable ones."""
+    out = {}
+    for path in sorted(onnx_dir.glob("*.onnx")):
+        code, text = polygraphy_cli("inspect", "model", str(path), "--show", "layers")
+        (report_dir / f"inspect_{path.stem}.txt").write_text(text)
+        entry = {"inspect_ok": code == 0}
+        if path.stem != "drafter":  # the plugin graph needs TensorRT (its own check is the node check)
+            lint_json = report_dir / f"lint_{path.stem}.json"
+            inputs = report_dir / f"{'target' if path.stem == 'target' else 'drafter'}_inputs.json"
+            # Our golden inputs, not random ones: random slot/position ids would index out of range.
+            code, text = polygraphy_cli("check", "lint", str(path), "-o", str(lint_json), "--load-inputs", str(inputs))
+            lint = json.loads(lint_json.read_text()) if lint_json.is_file() else {}
+            entry["lint_ok"] = code == 0 and not lint.get("summary", {}).get("failing")
+            entry["lint_summary"] = lint.get("summary", text[-500:])
+        out[path.name] = entry
+    return out
+
+
+def check_plugin_node(path: Path) -> dict:
+    import onnx
+
+    from dspark_trt.plugins import sequential_draft as sd
+
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.domain == sd.ONNX_DOMAIN and n.op_type == sd.ONNX_OP_TYPE]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute} if nodes else {}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    return {"count": len(nodes), "attributes": attrs,
+            "ok": len(nodes) == 1 and attrs.get("plugin_namespace") == sd.PLUGIN_NAMESPACE
+            and attrs.get("plugin_version") == sd.PLUGIN_VERSION}
+
+
+@torch.inference_mode()
+def runtime_greedy_drafts(drafter, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy blocks and confidences from the runtime's own `DSparkProposer` for every row."""
+    from dspark_trt.runtime.dspark_proposer import DSparkProposer
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.runtime.sampling import SamplingParams
+
+    proposer = DSparkProposer(drafter)
+    tokens, confidences = [], []
+    for i in range(feeds["anchor_tokens"].shape[0]):
+        length = int(feeds["context_lengths"][i])
+        request = Request(f"validate-{i}", [0] * length, SamplingParams(temperature=0.0), torch.Generator())
+        request.output_token_ids = [int(feeds["anchor_tokens"][i])]
+        request.new_features = feeds["context_features"][i, :length]
+        proposer.observe(request)
+        tokens.append(torch.tensor(proposer.propose([request])[0].tokens))
+        confidences.append(proposer.last_confidences.get(request.request_id, torch.ones(len(tokens[-1]))))
+        proposer.release(request)
+    return torch.stack(tokens), torch.stack(confidences)
+
+
+def validate_target(target, feature_layers, config: BuildConfig, feeds, runtime_golden, onnx_path: Path,
+                    report_dir: Path) -> dict:
+    from dspark_trt.builder.export_target import ExportTarget
+
+    v = config.validation
+    with torch.inference_mode():
+        exported = ExportTarget(target.model, feature_layers)(*feeds.values())
+    names = ["logits", "features", "present_keys", "present_values"]
+    torch_out = dict(zip(names, (t.numpy() for t in exported)))
+    golden = _np(runtime_golden)
+    atol = {"logits": v.logits_atol, "features": v.features_atol, "present_keys": v.features_atol,
+            "present_values": v.features_atol}
+    ort_out, polygraphy_ok = run_onnxruntime(onnx_path, _np(feeds), golden, atol, report_dir, "target")
+    ort_diff, export_diff = _max_diffs(ort_out, golden), _max_diffs(torch_out, golden)
+    ok = polygraphy_ok and all(ort_diff[k] <= atol[k] for k in names)
+    return {"ok": ok, "polygraphy_ok": polygraphy_ok, "tolerances": atol, "onnxruntime_vs_torch_max_abs": ort_diff,
+            "export_module_vs_runtime_max_abs": export_diff, "num_tokens": int(feeds["input_ids"].shape[0])}
+
+
+def validate_drafter(drafter, config: BuildConfig, feeds, onnx_path: Path, report_dir: Path) -> dict:
+    from dspark_trt.builder.export_drafter import OUTPUT_NAMES, ExportDrafter
+
+    v = config.validation
+    with torch.inference_mode():
+        exported = ExportDrafter(drafter, use_plugin=True)(*feeds.values())
+    golden = dict(zip(OUTPUT_NAMES, (t.numpy() for t in exported)))
+    atol = {"draft_tokens": 0.0, "token_probs": v.probs_atol, "confidences": v.probs_atol,
+            "distributions": v.probs_atol}
+    ort_out, polygraphy_ok = run_onnxruntime(onnx_path, _np(feeds), golden, atol, report_dir, "drafter")
+    greedy = (feeds["temperatures"] <= 0).numpy()
+    runtime_tokens, runtime_conf = runtime_greedy_drafts(drafter, feeds)
+    greedy_ort_equal = bool((ort_out["draft_tokens"][greedy] == golden["draft_tokens"][greedy]).all())
+    greedy_runtime_equal = bool((runtime_tokens.numpy()[greedy] == golden["draft_tokens"][greedy]).all())
+    conf_diff = float(np.abs(runtime_conf.numpy()[greedy] - golden["confidences"][greedy]).max()) if greedy.any() else 0.0
+    diffs = _max_diffs(ort_out, golden)
+    ok = (polygraphy_ok and greedy_ort_equal and greedy_runtime_equal and conf_diff <= v.probs_atol
+          and all(diffs[k] <= atol[k] for k in atol))
+    return {"ok": ok, "polygraphy_ok": polygraphy_ok, "tolerances": atol, "onnxruntime_vs_torch_max_abs": diffs,
+            "greedy_rows": int(greedy.sum()), "greedy_tokens_identical_onnxruntime": greedy_ort_equal,
+            "greedy_tokens_identical_runtime_proposer": greedy_runtime_equal,
+            "sampled_tokens_identical_onnxruntime": bool((ort_out["draft_tokens"] == golden["draft_tokens"]).all()),
+            "runtime_proposer_confidence_max_abs": conf_diff}
