@@ -68,6 +68,7 @@ class ValidationConfig(Strict):
     context_tokens: int = Field(default=24, ge=2)  # prompt length of each sample request
     logits_atol: float = Field(default=1e-4, gt=0)  # fp32 ONNX Runtime vs torch
     features_atol: float = Field(default=1e-4, gt=0)
+    features_rtol: float = Field(default=1e-5, ge=0)  # features and KV: |diff| <= atol + rtol * |torch|
     probs_atol: float = Field(default=1e-4, gt=0)
 
 

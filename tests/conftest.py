@@ -84,3 +84,21 @@ def corrupt_copy(tmp_path):
         return target
 
     return copy
+
+
+def _gpu_and_tensorrt() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need an NVIDIA GPU and TensorRT; skip them (with the reason) elsewhere."""
+    if _gpu_and_tensorrt():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and TensorRT (run ci/gpu.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -72,7 +72,8 @@ def reference(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, 
     ids, token_probs, confidences, distributions = [], [], [], []
     for k in range(block):  # a static loop: the block size is fixed per drafter
         h_k = hidden[:, k]  # [B, D]
-        prev_embedding = w1[previous]  # [B, R]
+        # [B, R]; a DFlash drafter (no head, no confidence) has no W1, only a placeholder
+        prev_embedding = w1[previous] if head != HEAD_NONE or has_confidence else None
         l_k = logits[:, k]  # [B, V]
         if head == HEAD_MARKOV:
             l_k = l_k + prev_embedding @ w2

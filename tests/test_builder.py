@@ -1,0 +1,292 @@
+"""`dspark-trt build` on the tiny config: ONNX graphs, ONNX Runtime parity, manifest and profile,
+serving from the engine directory, atomic output, and every bad input's error."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dspark_trt import LLM, ModelLoadError, SamplingParams
+from dspark_trt.builder.build import BuildError, build
+from dspark_trt.builder.export_drafter import OUTPUT_NAMES, ExportDrafter
+from dspark_trt.builder.onnx_export import sample_drafter_inputs, sample_target_inputs
+from dspark_trt.builder.tiny import tiny_drafter_folder, tiny_target_folder
+from dspark_trt.cli import main
+from dspark_trt.config import ConfigError, load_build_config
+from dspark_trt.models.drafter_io import load_drafter
+from dspark_trt.models.loading import load_target
+from dspark_trt.runtime.engine_dir import FORMAT_VERSION, EngineDirError, open_engine_dir
+from dspark_trt.runtime.profile import LatencyProfile
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One real build of configs/tiny.yaml, shared by the tests that read it."""
+    output = tmp_path_factory.mktemp("engines") / "tiny"
+    lines = []
+    report = build(load_build_config("tiny"), output, progress=lines.append)
+    return output, report, lines
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    target = load_target(tiny_target_folder())
+    return target, load_drafter(tiny_drafter_folder(), target)
+
+
+def copy_dir(built_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(built_dir, copy)
+    return copy
+
+
+def edit_manifest(folder: Path, **changes) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.update(changes)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+# ---- configs ---------------------------------------------------------------------------------------
+
+
+def test_configs_are_strict_and_overridable():
+    config = load_build_config("default")
+    assert config.target == "default" and config.block_size == 7
+    tiny = load_build_config("tiny", ["profile.max_requests=2", "engines.build=never", "validation.logits_atol=1e-5"])
+    assert tiny.profile.max_requests == 2 and tiny.engines.build == "never" and tiny.validation.logits_atol == 1e-5
+    with pytest.raises(ConfigError, match="unknown config key 'profile.speed'"):
+        load_build_config("tiny", ["profile.speed=3"])
+    with pytest.raises(ConfigError, match="target_shapes.num_slots: needs min <= opt <= max"):
+        load_build_config("tiny", ["target_shapes.num_slots.min=9"])
+    with pytest.raises(ConfigError, match="engines.precision"):
+        load_build_config("tiny", ["engines.precision=fp12"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_build_config("no-such-config")
+
+
+def test_unknown_key_in_a_file_is_an_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\ntarget: default\ndrafter_shape: {}\n")
+    result = CliRunner().invoke(main, ["build", str(path), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "unknown config key 'drafter_shape'" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+# ---- the built directory ---------------------------------------------------------------------------
+
+
+def test_build_writes_a_complete_engine_directory(built):
+    output, report, lines = built
+    for step in ("[1/6] load", "[2/6] export", "[3/6] validate", "[4/6] engines", "[5/6] profile", "[6/6] package"):
+        assert any(line.startswith(step) for line in lines)
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["backend"] == "torch-cpu"
+    assert manifest["block_size"] == 4 and manifest["feature_layers"] == [1, 2]
+    assert manifest["target"]["hidden_size"] == 64 and manifest["vocab_size"] == 49152
+    assert set(manifest["build"]["seconds"]) == {"load", "export", "validate", "engines", "profile", "package"}
+    assert manifest["engines"]["built"] is False and manifest["engines"]["reason"]
+    assert all(manifest["validation"].values())
+    for rel in manifest["files"].values():
+        assert (output / rel).exists()
+    assert not [p for p in output.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_drafter_graph_has_one_sequential_draft_node_for_tensorrt(built):
+    model = onnx.load(str(built[0] / "onnx" / "drafter.onnx"))
+    nodes = [n for n in model.graph.node if n.domain == "dspark"]
+    assert [n.op_type for n in nodes] == ["SequentialDraft"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs["plugin_namespace"] == b"dspark" and attrs["plugin_version"] == b"1" and attrs["head"] == 1
+    assert any(o.domain == "dspark" for o in model.opset_import)
+    unrolled = onnx.load(str(built[0] / "onnx" / "drafter_unrolled.onnx"))
+    assert all(n.domain in ("", "ai.onnx") for n in unrolled.graph.node)
+
+
+@pytest.mark.parametrize("graph", ["target", "drafter", "drafter_unrolled"])
+def test_polygraphy_inspect_reads_the_graphs(built, graph):
+    script = Path(sys.executable).with_name("polygraphy")
+    done = subprocess.run([sys.executable, str(script), "inspect", "model", str(built[0] / "onnx" / f"{graph}.onnx")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "Graph Input" in done.stdout
+
+
+def test_validation_report_records_tolerances_and_lint(built):
+    report = json.loads((built[0] / "validation" / "report.json").read_text())
+    assert report["target"]["onnxruntime_vs_torch_max_abs"]["logits"] <= 1e-4
+    assert report["drafter"]["greedy_tokens_identical_onnxruntime"]
+    assert report["drafter"]["greedy_tokens_identical_runtime_proposer"]
+    assert report["plugin_node"]["ok"]
+    assert report["polygraphy"]["target.onnx"]["lint_ok"] and report["polygraphy"]["drafter_unrolled.onnx"]["lint_ok"]
+
+
+def test_onnxruntime_matches_torch_on_fresh_inputs(built, tiny_models):
+    """Independent of the build's own check: new seeds, longer contexts, fresh ORT sessions."""
+    target, drafter = tiny_models
+    config = load_build_config("tiny", ["validation.seed=7", "validation.num_requests=4",
+                                        "validation.context_tokens=20"])
+    feeds, golden = sample_target_inputs(target, config, (1, 2))
+    session = ort.InferenceSession(str(built[0] / "onnx" / "target.onnx"), providers=["CPUExecutionProvider"])
+    logits, features, keys, _ = session.run(None, {k: v.numpy() for k, v in feeds.items()})
+    assert np.abs(logits - golden["logits"].numpy()).max() <= 1e-4
+    assert np.abs(features - golden["features"].numpy()).max() <= 1e-4
+    assert np.abs(keys - golden["present_keys"].numpy()).max() <= 1e-4
+
+    feeds = sample_drafter_inputs(target, drafter, config)
+    feeds["temperatures"] = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    session = ort.InferenceSession(str(built[0] / "onnx" / "drafter_unrolled.onnx"), providers=["CPUExecutionProvider"])
+    got = dict(zip(OUTPUT_NAMES, session.run(None, {k: v.numpy() for k, v in feeds.items()})))
+    with torch.inference_mode():
+        want = dict(zip(OUTPUT_NAMES, (t.numpy() for t in ExportDrafter(drafter)(*feeds.values()))))
+    greedy = feeds["temperatures"].numpy() == 0
+    assert np.array_equal(got["draft_tokens"][greedy], want["draft_tokens"][greedy])
+    assert np.abs(got["confidences"] - want["confidences"]).max() <= 1e-4
+    assert np.abs(got["distributions"] - want["distributions"]).max() <= 1e-4
+
+
+def test_manifest_and_profile_round_trip(built, tmp_path):
+    engine = open_engine_dir(built[0])
+    profile = engine.load_profile()
+    assert profile.backend == "torch-cpu" and profile.device == engine.manifest["device"]
+    assert profile.drafter_num_requests and all(s > 0 for s in profile.target_step_seconds)
+    profile.save(tmp_path / "p.json")
+    again = LatencyProfile.load(tmp_path / "p.json")
+    assert again == profile
+    assert json.loads((tmp_path / "p.json").read_text()) == json.loads((built[0] / "profile.json").read_text())
+
+
+def test_llm_serves_the_engine_directory_like_its_parts(built):
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    from_dir = LLM(engine_dir=built[0], max_batch_size=2)
+    assert from_dir.engine.proposer is not None
+    direct = LLM(target=tiny_target_folder(), drafter=str(tiny_drafter_folder()), max_batch_size=2)
+    prompts = ["The sea is", "def f(x):"]
+    a, b = from_dir.generate(prompts, params), direct.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert a[0].metrics["num_draft_tokens"] > 0
+
+
+# ---- engine directory errors -----------------------------------------------------------------------
+
+
+def test_engine_dir_errors_name_the_problem(built, tmp_path):
+    with pytest.raises(EngineDirError, match="does not exist"):
+        open_engine_dir(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineDirError, match="no manifest.json"):
+        LLM(engine_dir=tmp_path / "empty")
+    copy = copy_dir(built[0], tmp_path)
+    edit_manifest(copy, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(EngineDirError, match="newer dspark-trt"):
+        open_engine_dir(copy)
+    edit_manifest(copy, format_version=FORMAT_VERSION, device="cuda:NVIDIA H100 sm_90")
+    with pytest.raises(EngineDirError, match="built for device 'cuda:NVIDIA H100 sm_90'"):
+        LLM(engine_dir=copy)
+    manifest = json.loads((built[0] / "manifest.json").read_text())
+    edit_manifest(copy, device=manifest["device"], target={**manifest["target"], "hidden_size": 576})
+    with pytest.raises(EngineDirError, match="hidden_size 576"):
+        LLM(engine_dir=copy)
+    edit_manifest(copy, target=manifest["target"])
+    (copy / "onnx" / "target.onnx").unlink()
+    with pytest.raises(EngineDirError, match="files.target_onnx"):
+        open_engine_dir(copy)
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(EngineDirError, match="not valid JSON"):
+        open_engine_dir(copy)
+
+
+def test_interrupted_build_leaves_nothing_servable(tmp_path):
+    output = tmp_path / "out"
+
+    def interrupt_at_export(line):
+        if line.startswith("[2/6]"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(load_build_config("tiny"), output, progress=interrupt_at_export)
+    assert not output.exists()
+    assert list(tmp_path.iterdir()) == []  # the staging folder went too
+    with pytest.raises(EngineDirError):
+        open_engine_dir(output)
+
+
+def test_a_staging_folder_killed_mid_build_is_not_servable(tmp_path):
+    """What a SIGKILL leaves (a staging folder, no manifest) is rejected by serve."""
+    staging = tmp_path / ".out.partial-123"
+    (staging / "onnx").mkdir(parents=True)
+    with pytest.raises(EngineDirError, match="no manifest.json"):
+        open_engine_dir(staging)
+
+
+def test_existing_output_needs_force(built):
+    with pytest.raises(BuildError, match="--force"):
+        build(load_build_config("tiny"), built[0], progress=lambda line: None)
+
+
+# ---- bad checkpoints and mismatches: caught at the load step, before any export ----------------------
+
+
+def run_build(tmp_path, *overrides):
+    output = tmp_path / "out"
+    try:
+        build(load_build_config("tiny", list(overrides)), output, progress=lambda line: None)
+    finally:
+        assert not output.exists()
+        assert list(tmp_path.glob(".out.*")) == []
+
+
+def test_missing_drafter_checkpoint(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        run_build(tmp_path, f"drafter={tmp_path / 'missing'}", "target=tiny-random")
+
+
+def test_corrupt_drafter_checkpoint(tmp_path, corrupt_copy):
+    broken = corrupt_copy(tiny_drafter_folder())
+    (broken / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ModelLoadError, match="corrupt drafter weights"):
+        run_build(tmp_path, f"drafter={broken}")
+
+
+def test_corrupt_target_checkpoint(tmp_path, corrupt_copy):
+    broken = corrupt_copy(tiny_target_folder())
+    (broken / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ModelLoadError, match="corrupt weights"):
+        run_build(tmp_path, f"target={broken}", f"drafter={tiny_drafter_folder()}")
+
+
+@pytest.mark.parametrize("shape, field", [({"hidden_size": 32, "num_attention_heads": 2}, "hidden size"),
+                                          ({"num_hidden_layers": 3}, "number of layers")])
+def test_drafter_for_another_target(tmp_path, tiny_factory, shape, field):
+    other = tiny_factory("llama", seed=3, **shape)
+    with pytest.raises(ModelLoadError, match=field):
+        run_build(tmp_path, f"target={other}", f"drafter={tiny_drafter_folder()}")
+
+
+def test_drafter_with_a_different_vocabulary(tmp_path, corrupt_copy):
+    drafter = corrupt_copy(tiny_drafter_folder())
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "target_vocab_size": 32000}))
+    with pytest.raises(ModelLoadError, match="vocabulary size 32000"):
+        run_build(tmp_path, f"drafter={drafter}", "target=tiny-random")
+
+
+def test_drafter_feature_layers_outside_the_target(tmp_path, corrupt_copy):
+    drafter = corrupt_copy(tiny_drafter_folder())
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "feature_layers": [1, 9]}))
+    with pytest.raises(ModelLoadError, match="feature layers"):
+        run_build(tmp_path, f"drafter={drafter}", "target=tiny-random")
+
+
+def test_block_size_mismatch(tmp_path):
+    with pytest.raises(ModelLoadError, match="block_size: the config asks for 6"):
+        run_build(tmp_path, "block_size=6", f"drafter={tiny_drafter_folder()}")

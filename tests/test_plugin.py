@@ -1,0 +1,165 @@
+"""The SequentialDraft op: its reference against the drafter's own head, the custom op, and the
+export modules against the runtime (torch only; the ONNX faces are checked in test_builder.py)."""
+
+import pytest
+import torch
+
+from dspark_trt.builder.export_drafter import ExportDrafter
+from dspark_trt.builder.export_target import ExportTarget
+from dspark_trt.builder.validate import runtime_greedy_drafts
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.drafter_io import build_drafter
+from dspark_trt.models.loading import load_target
+from dspark_trt.plugins import sequential_draft as sd
+
+FEATURE_LAYERS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return load_target(tiny_llama)
+
+
+def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated=False):
+    config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind="dspark" if head != "none" else "dflash",
+                                      head=head, confidence=head != "none", num_layers=1, markov_rank=16,
+                                      block_size=block_size, draft_vocab_size=vocab_size,
+                                      confidence_temperatures=[0.5, 1.0, 2.0, 3.0][:block_size] if calibrated else [])
+    torch.manual_seed(0)
+    # a draft vocabulary that is not the identity, so id mapping bugs show
+    drafter = build_drafter(config, torch.randperm(target.config.vocab_size)[:vocab_size]).attach_target(target.model)
+    with torch.no_grad():  # non-zero head weights and mask embedding so that they matter
+        if drafter.sequential is not None:
+            drafter.sequential.w2.weight.normal_(std=1.0)
+        drafter.mask_embedding.normal_(std=0.5)
+        if drafter.confidence is not None:
+            drafter.confidence.weight.normal_(std=0.5)
+    return drafter.eval().requires_grad_(False)
+
+
+def sample_feeds(target, drafter, seed=0, batch=4):
+    generator = torch.Generator().manual_seed(seed)
+    width = len(FEATURE_LAYERS) * target.config.hidden_size
+    lengths = torch.tensor([9, 3, 12, 1][:batch])
+    features = torch.randn(batch, 12, width, generator=generator) * 3
+    anchors = torch.cat([drafter.draft_vocab[:1], torch.randint(0, target.config.vocab_size, (batch - 1,),
+                                                                 generator=generator)])  # in and out of the draft vocab
+    return {"context_features": features, "context_lengths": lengths, "anchor_tokens": anchors,
+            "temperatures": torch.tensor([0.0, 1.0, 0.0, 0.6][:batch]),
+            "uniforms": torch.rand(batch, drafter.config.block_size, generator=generator)}
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+def test_greedy_blocks_equal_the_runtime_proposer(target, head):
+    """ExportDrafter (backbone + SequentialDraft op) drafts exactly what DSparkProposer drafts."""
+    drafter = make_drafter(target, head, calibrated=True)
+    feeds = sample_feeds(target, drafter)
+    feeds["temperatures"] = torch.zeros(4)
+    with torch.inference_mode():
+        tokens, probs, confidences, distributions = ExportDrafter(drafter)(*feeds.values())
+    runtime_tokens, runtime_conf = runtime_greedy_drafts(drafter, feeds)
+    assert torch.equal(tokens, runtime_tokens)
+    if head != "none":
+        assert (confidences - runtime_conf).abs().max() < 1e-5
+    else:
+        assert torch.equal(confidences, torch.ones_like(confidences))
+    assert torch.allclose(distributions.sum(-1), torch.ones(4, 4))
+    assert torch.equal(probs, distributions.gather(-1, drafter.to_draft[tokens][..., None])[..., 0])
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_reference_is_the_drafters_head(target, head):
+    """Slot by slot, the reference's distribution is softmax((U_k + B(x_{k-1})) / T) computed with the
+    drafter's own `sequential_bias`, and its sampled token is the inverse-CDF pick of runtime `sample`."""
+    drafter = make_drafter(target, head)
+    generator = torch.Generator().manual_seed(1)
+    batch, block, d = 3, 4, target.config.hidden_size
+    hidden = torch.randn(batch, block, d, generator=generator)
+    logits = drafter.backbone_logits(hidden)
+    anchors = torch.tensor([0, 5, drafter.draft_vocab.numel()])  # the last one is out of vocabulary
+    temperatures = torch.tensor([0.0, 0.8, 1.5])
+    uniforms = torch.rand(batch, block, generator=generator)
+    module = ExportDrafter(drafter)
+    ids, probs, conf, dists = sd.reference(logits, hidden, anchors, module.w1, module.w2, *module.gru, module.conf_w,
+                                           module.conf_b, module.conf_inv_temps, temperatures, uniforms,
+                                           sd.HEAD_CODES[head], 1)
+    for b in range(batch):
+        previous, state = anchors[b], None
+        for k in range(block):
+            bias, state = drafter.sequential_bias(hidden[b, k], previous, state)
+            row = logits[b, k] + bias
+            t = float(temperatures[b])
+            expected = torch.softmax(row / (t if t > 0 else 1.0), -1)
+            assert (dists[b, k] - expected).abs().max() < 1e-6
+            if t == 0:
+                assert ids[b, k] == row.argmax()
+            else:
+                cdf = expected.cumsum(0)
+                assert ids[b, k] == torch.searchsorted(cdf, uniforms[b, k] * cdf[-1], right=True).clamp(max=cdf.numel() - 1)
+            c = torch.sigmoid(drafter.confidence_logits(hidden[b, k], previous))
+            assert abs(float(conf[b, k]) - float(c)) < 1e-6
+            previous = ids[b, k]
+
+
+def test_sampled_tokens_follow_the_draft_distribution(target):
+    """Over many uniforms, slot-1 tokens are distributed as p_1 (the op samples exactly)."""
+    drafter = make_drafter(target, "markov", vocab_size=8)
+    n = 20000
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, 4, target.config.hidden_size, generator=generator).expand(n, -1, -1)
+    logits = drafter.backbone_logits(hidden[:1]).expand(n, -1, -1) * 0.3
+    module = ExportDrafter(drafter)
+    ids, _, _, dists = sd.reference(logits, hidden, torch.zeros(n, dtype=torch.long), module.w1, module.w2, *module.gru,
+                                    module.conf_w, module.conf_b, module.conf_inv_temps, torch.ones(n),
+                                    torch.rand(n, 4, generator=generator), sd.HEAD_MARKOV, 1)
+    counts = torch.bincount(ids[:, 0], minlength=8).float()
+    expected = dists[0, 0] * n
+    chi2 = float(((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum())
+    assert chi2 < 30.0  # 7 degrees of freedom: p < 1e-4 at 30
+
+
+def test_custom_op_matches_reference_and_passes_opcheck(target):
+    drafter = make_drafter(target, "rnn")
+    module = ExportDrafter(drafter)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 4, target.config.hidden_size, generator=generator)
+    args = (drafter.backbone_logits(hidden), hidden, torch.tensor([1, 2]), module.w1, module.w2, *module.gru,
+            module.conf_w.detach(), module.conf_b.detach(), module.conf_inv_temps, torch.tensor([0.0, 1.0]),
+            torch.rand(2, 4, generator=generator))
+    args = tuple(a.detach() for a in args) + (sd.HEAD_RNN, 1)
+    for got, want in zip(torch.ops.dspark.sequential_draft(*args), sd.reference(*args)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.dspark.sequential_draft.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_plugin_and_unrolled_forms_agree(target):
+    drafter = make_drafter(target, "markov", calibrated=True)
+    feeds = sample_feeds(target, drafter, seed=4)
+    with torch.inference_mode():
+        a = ExportDrafter(drafter, use_plugin=True)(*feeds.values())
+        b = ExportDrafter(drafter, use_plugin=False)(*feeds.values())
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_export_target_equals_the_runtime_forward(target):
+    """The export-friendly step (plain torch ops, KV pool in/out) computes what TargetModel.forward does."""
+    model = target.model
+    pool = model.new_pool(3, 40)
+    caches = [pool.allocate() for _ in range(3)]
+    generator = torch.Generator().manual_seed(5)
+    for cache, n in zip(caches, (6, 11, 2)):
+        model(torch.randint(0, 1000, (n,), generator=generator), [n], [cache])
+    before_k, before_v = pool.keys.clone(), pool.values.clone()
+    counts = [5, 1, 8]
+    ids = torch.randint(0, target.config.vocab_size, (14,), generator=generator)
+    positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, counts)])
+    slots = torch.cat([torch.full((n,), c.slot) for c, n in zip(caches, counts)])
+    at = torch.tensor([4, 5, 13])
+    with torch.inference_mode():
+        logits, features, keys, values = ExportTarget(model, FEATURE_LAYERS)(ids, positions, slots, at, before_k, before_v)
+    ref = model(ids, counts, caches, at, FEATURE_LAYERS)
+    assert (logits - ref.logits).abs().max() < 1e-4
+    assert (features - ref.features).abs().max() < 1e-5
+    assert (keys - pool.keys).abs().max() < 1e-5 and (values - pool.values).abs().max() < 1e-5
