@@ -267,5 +267,14 @@ from dspark_trt.builder.cli_build import build_command  # noqa: E402
 
 main.add_command(build_command)
 
+from dspark_trt.triton.cli_triton import triton_command  # noqa: E402
+
+main.add_command(triton_command)
+
+from dspark_trt.serving.cli_serve import profile_command, serve_command  # noqa: E402
+
+main.add_command(serve_command)
+main.add_command(profile_command)
+
 if __name__ == "__main__":
     main()

@@ -62,6 +62,10 @@ class EngineCounters:
     num_generated_tokens: int = 0
     scheduler_seconds: float = 0.0
     step_seconds: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+    def record_finish(self, reason: FinishReason) -> None:
+        self.finished[reason.value] = self.finished.get(reason.value, 0) + 1
 
     def record_verification(self, num_verified: int, num_accepted: int) -> None:
         if num_verified == 0:
@@ -115,6 +119,8 @@ class Engine:
     def _check_policy(policy: VerifyPolicy | str | None, proposer: Proposer | None) -> VerifyPolicy:
         if policy is None:
             policy = "all" if proposer is not None else "none"
+        if policy == "auto":  # the best this drafter allows
+            policy = "dspark" if getattr(proposer, "has_confidence", False) else ("all" if proposer else "none")
         if isinstance(policy, str):
             policy = make_policy(policy)
         if policy.uses_drafter and proposer is None:
@@ -165,7 +171,10 @@ class Engine:
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
+        if request.finished:
+            return
         request.finish_reason = FinishReason.ABORT
+        self.counters.record_finish(FinishReason.ABORT)
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
@@ -262,6 +271,7 @@ class Engine:
                 self.proposer.observe(request)
         for request in self.running:
             if request.finished:
+                self.counters.record_finish(request.finish_reason)
                 self._release(request)
         self.running = [r for r in self.running if not r.finished]
         stats.step_seconds = time.perf_counter() - step_start

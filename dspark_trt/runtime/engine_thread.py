@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dspark_trt.errors import DsparkError, InvalidRequestError
-from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.engine import Engine, StepStats
 from dspark_trt.runtime.request import FinishReason, Request
 from dspark_trt.runtime.sampling import SamplingParams
 
@@ -70,6 +70,7 @@ class EngineThread:
         self._draining = False
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self.on_step: Callable[[StepStats], None] | None = None  # called after every step (metrics)
 
     # ---- callers' side ------------------------------------------------------------------------
 
@@ -116,6 +117,11 @@ class EngineThread:
             self._inbox.append(("cancel", request_id))
             self._lock.notify()
 
+    def refuse_new(self) -> None:
+        """Start draining: `submit` raises `ShuttingDownError` from now on."""
+        with self._lock:
+            self._draining = True
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop taking requests; with `drain`, let running and queued ones finish first."""
         with self._lock:
@@ -155,6 +161,8 @@ class EngineThread:
                 continue
             for request in updated:
                 self._emit(request)
+            if self.on_step is not None:
+                self.on_step(self.engine.last_step)
 
     def _cancel_now(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

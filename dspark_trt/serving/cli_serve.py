@@ -1,0 +1,108 @@
+"""CLI commands of the serving side: `serve`, `profile`, `bench` (registered in cli.py).
+
+Flags only; the work happens in `server.py`, `runtime/profile.py` and `bench.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+POLICY_HELP = ("Verification policy: none, fixed:K, threshold:H, dspark, dspark-lagged "
+               "[default: dspark with a DSpark drafter, the whole block with other drafters, none without one].")
+
+
+def resolve_drafter(target: str, drafter: str | None) -> str | None:
+    """`--drafter auto`: the committed DSpark drafter for the default target, none otherwise."""
+    if drafter in (None, "auto"):
+        return "default" if target == "default" else None
+    return None if drafter == "none" else drafter
+
+
+def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: str | None, profile: Path | None,
+             max_batch_size: int, max_model_len: int):
+    from dspark_trt import LLM
+
+    if engine_dir is not None:
+        return LLM(engine_dir=engine_dir, policy=policy, max_batch_size=max_batch_size, max_model_len=max_model_len)
+    drafter = resolve_drafter(target, drafter)
+    if policy is None and drafter is not None:
+        policy = "auto"
+    return LLM(target=target, drafter=drafter, policy=policy, profile=profile, max_batch_size=max_batch_size,
+               max_model_len=max_model_len)
+
+
+def runtime_options(command):
+    options = [
+        click.argument("engine_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path)),
+        click.option("--target", default="default", show_default=True,
+                     help="'default', a Hugging Face model folder, or a .gguf file (ignored with ENGINE_DIR)."),
+        click.option("--drafter", default="auto", show_default=True,
+                     help="Drafter checkpoint folder, 'default', 'none', or 'auto' (the default drafter for the "
+                          "default target, none for other targets)."),
+        click.option("--policy", default=None, help=POLICY_HELP),
+        click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="profile.json from `dspark-trt profile` (without one, a quick profile is measured at start)."),
+        click.option("--max-batch-size", type=int, default=32, show_default=True,
+                     help="Requests in the running batch (KV slots); more wait in the queue."),
+        click.option("--max-model-len", type=int, default=2048, show_default=True,
+                     help="Longest prompt + output per request (sizes each KV slot)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@click.command("serve")
+@runtime_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (0.0.0.0 for all).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="DSPARK_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (also $DSPARK_API_KEY); /health and /metrics stay public.")
+@click.option("--max-queue", type=int, default=None, help="Most requests waiting for a slot; more get HTTP 429.")
+@click.option("--served-model-name", default=None, help="The model name clients send (default: the target's name).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, host, port,
+                  api_key, max_queue, served_model_name, log_level):
+    """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with in-flight batching.
+
+    Give an ENGINE_DIR written by `dspark-trt build`, or choose --target/--drafter/--policy.
+    """
+    from dspark_trt.serving.server import run_server
+
+    if max_queue is not None and max_queue < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--max-queue")
+    llm = load_llm(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len)
+    engine = llm.engine
+    click.echo(f"serving {llm.target.name} with policy {engine.policy.name}"
+               + (f", drafter {type(engine.proposer).__name__}" if engine.proposer else "")
+               + f" on http://{host}:{port}", err=True)
+    run_server(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, model_name=served_model_name,
+               log_level=log_level)
+
+
+@click.command("profile")
+@click.option("--target", default="default", show_default=True, help="Target to measure.")
+@click.option("--drafter", default="auto", show_default=True,
+              help="Drafter to measure (a folder, 'default', 'none', or 'auto').")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Where profile.json goes.")
+@click.option("--max-batch-tokens", type=int, default=256, show_default=True,
+              help="Largest target batch (tokens) to measure.")
+@click.option("--max-requests", type=int, default=32, show_default=True, help="Most requests to draft for.")
+@click.option("--quick", is_flag=True, help="Fewer points, one repeat (what the server does without a profile).")
+def profile_command(target, drafter, output, max_batch_tokens, max_requests, quick):
+    """Measure target step time vs batch tokens and drafter step time vs requests on this machine."""
+    from dspark_trt import LLM
+    from dspark_trt.runtime.profile import measure_latency_profile
+
+    if max_batch_tokens < 1 or max_requests < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-batch-tokens/--max-requests")
+    llm = LLM(target=target, drafter=resolve_drafter(target, drafter), policy="all" if drafter != "none" else None)
+    profile = measure_latency_profile(llm.target, llm.engine.proposer, max_batch_tokens, max_requests, quick,
+                                      progress=lambda line: click.echo(f"  {line}", err=True))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(output)
+    click.echo(json.dumps(profile.to_json(), indent=2))
