@@ -232,7 +232,8 @@ def measure_profile(config: BuildConfig, target, drafter, staging: Path, backend
     if backend == "tensorrt":
         from dspark_trt.runtime.trt_backend import tensorrt_target
 
-        target = tensorrt_target(target, staging / "engines" / "target.plan")
+        layers = tuple(drafter.config.feature_layers) if drafter is not None else ()
+        target = tensorrt_target(target, staging / "engines" / "target.plan", layers)
     if drafter is not None:
         from dspark_trt.runtime.dspark_proposer import DSparkProposer
 
