@@ -271,10 +271,11 @@ from dspark_trt.triton.cli_triton import triton_command  # noqa: E402
 
 main.add_command(triton_command)
 
-from dspark_trt.serving.cli_serve import profile_command, serve_command  # noqa: E402
+from dspark_trt.serving.cli_serve import bench_command, profile_command, serve_command  # noqa: E402
 
 main.add_command(serve_command)
 main.add_command(profile_command)
+main.add_command(bench_command)
 
 if __name__ == "__main__":
     main()

@@ -166,6 +166,34 @@ class DrafterBase(nn.Module):
         """Target features `[..., m * d]` (m layers) -> context states `[..., d]`."""
         return self.fusion(features)
 
+    def draft_layers(self) -> list["DraftLayer"]:
+        return []
+
+    @torch.no_grad()
+    def init_layers_from_target(self, target_model) -> "DrafterBase":
+        """Start each draft layer as a copy of one of the target's last layers (training only).
+
+        A draft layer has the shapes of a target layer, and the target's top layers already map
+        hidden states to next-token predictions; starting there instead of from noise is what
+        makes a few hundred CPU steps enough. Skipped for targets with biases or q/k norms,
+        which draft layers do not have.
+        """
+        layers = self.draft_layers()
+        sources = list(target_model.layers)[-len(layers):] if layers else []
+        if any(s.qkv.bias is not None or s.o.bias is not None or s.q_norm is not None for s in sources):
+            return self
+        for layer, source in zip(layers, sources):
+            q_width = layer.num_heads * layer.head_dim
+            qkv = source.qkv.weight_t.t()  # [out, in]
+            layer.q.weight.copy_(qkv[:q_width])
+            layer.kv.weight.copy_(qkv[q_width:])
+            layer.o.weight.copy_(source.o.weight_t.t())
+            layer.gate_up.weight.copy_(source.gate_up.weight_t.t())
+            layer.down.weight.copy_(source.down.weight_t.t())
+            layer.attn_norm.weight.copy_(source.attn_norm)
+            layer.mlp_norm.weight.copy_(source.mlp_norm)
+        return self
+
 
 class DSparkDrafter(DrafterBase):
     def __init__(self, config: DrafterConfig, draft_vocab: torch.Tensor):
@@ -187,6 +215,9 @@ class DSparkDrafter(DrafterBase):
             self.sequential = RNNHead(config, vocab_size)
         if config.confidence:
             self.confidence = nn.Linear(d + config.markov_rank, 1)
+
+    def draft_layers(self) -> list[DraftLayer]:
+        return list(self.layers)
 
     # ---- the backbone ------------------------------------------------------------------------
 

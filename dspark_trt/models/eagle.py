@@ -31,6 +31,9 @@ class EagleDrafter(DrafterBase):
         self.combine = nn.Linear(2 * d, d, bias=False)
         self.layer = DraftLayer(config)
 
+    def draft_layers(self):
+        return [self.layer]
+
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """tokens `[...]`, features `[..., d]` (already fused or normed) -> layer inputs `[..., d]`."""
         return self.combine(torch.cat([self.token_norm(self.embed[tokens]), features], dim=-1))

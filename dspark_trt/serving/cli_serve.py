@@ -106,3 +106,68 @@ def profile_command(target, drafter, output, max_batch_tokens, max_requests, qui
     output.parent.mkdir(parents=True, exist_ok=True)
     profile.save(output)
     click.echo(json.dumps(profile.to_json(), indent=2))
+
+
+def parse_list(text: str, kind, option: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected a comma-separated list, got {text!r}", param_hint=option) from None
+    if not values:
+        raise click.BadParameter("must not be empty", param_hint=option)
+    return values
+
+
+@click.command("bench")
+@click.option("--policy", "policies", multiple=True,
+              default=("none", "mtp1=fixed:1@checkpoints/smollm2-135m-instruct/mtp1", "fixed:7", "dspark",
+                       "dspark-lagged"), show_default=True,
+              help="Repeatable: POLICY, LABEL=POLICY or LABEL=POLICY@DRAFTER (one server each).")
+@click.option("--target", default="default", show_default=True, help="Target the servers load.")
+@click.option("--drafter", default="default", show_default=True, help="Drafter for policies that name none.")
+@click.option("--url", default=None, help="Bench this running server instead of starting one per policy.")
+@click.option("--api-key", envvar="DSPARK_API_KEY", default=None, help="Bearer key for --url.")
+@click.option("--concurrency", default="1,2,4,8,16,32", show_default=True, help="Comma-separated sweep.")
+@click.option("--temperatures", default="0,1", show_default=True, help="Comma-separated sampling temperatures.")
+@click.option("--num-requests", type=int, default=None, help="Requests per run (default: max(4, 2 x concurrency)).")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--request-rate", type=float, default=None,
+              help="Poisson arrivals per second (default: closed loop, `concurrency` clients back to back).")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Latency profile for every server (default: measured once, before the first server).")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("benchmarks/results/serving.json"), show_default=True, help="JSON; the PNG goes beside it.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def bench_command(policies, target, drafter, url, api_key, concurrency, temperatures, num_requests, max_tokens,
+                  request_rate, profile_path, output, seed):
+    """Load-test servers: per-user vs total tok/s across concurrency, several policies side by side."""
+    from dspark_trt.serving.bench import PolicySpec, run_bench
+
+    concurrencies = parse_list(concurrency, int, "--concurrency")
+    if min(concurrencies) < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--concurrency")
+    temps = parse_list(temperatures, float, "--temperatures")
+    if min(temps) < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--temperatures")
+    if max_tokens < 1 or (num_requests is not None and num_requests < 1):
+        raise click.BadParameter("must be >= 1", param_hint="--max-tokens/--num-requests")
+    if request_rate is not None and request_rate <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--request-rate")
+    specs = [PolicySpec.parse(p, drafter) for p in policies]
+    if url is not None and len(specs) > 1:
+        raise click.BadParameter("with --url give one --policy (the label for that server)", param_hint="--policy")
+    if url is None and profile_path is None and any(s.policy.startswith("dspark") for s in specs):
+        from dspark_trt import LLM
+        from dspark_trt.runtime.profile import measure_latency_profile
+
+        click.echo("measuring the latency profile shared by all servers", err=True)
+        first = next(s for s in specs if s.policy.startswith("dspark"))
+        llm = LLM(target=target, drafter=first.drafter, policy="all")
+        profile = measure_latency_profile(llm.target, llm.engine.proposer, 256, max(concurrencies),
+                                          progress=lambda line: click.echo(f"  {line}", err=True))
+        profile_path = output.with_suffix(".profile.json")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(profile_path)
+        del llm
+    run_bench(specs, concurrencies, temps, num_requests, max_tokens, request_rate, target, url, api_key, profile_path,
+              output, seed, echo=lambda line: click.echo(line, err=True))

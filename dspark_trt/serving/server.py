@@ -242,7 +242,10 @@ class Server:
                     break
                 if not (delta.text or finished or first):
                     continue
-                extra = {"dspark": speculative_stats(delta.metrics)} if finished else {}
+                stats = {"num_tokens": len(delta.token_ids)}  # lets clients time each token (bench ITL)
+                if finished:
+                    stats.update(speculative_stats(delta.metrics))
+                extra = {"dspark": stats}
                 yield chunk(delta.text, delta.finish_reason if finished else None, first, **extra)
                 first = False
                 if finished and include_usage:

@@ -44,6 +44,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 20
+    init_from_target: bool = True  # draft layers start as copies of the target's last layers
 
 
 def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
@@ -86,6 +87,8 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     state_path = run_dir / "training_state.pt"
     torch.manual_seed(config.seed)
     drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
+    if config.init_from_target:
+        drafter.init_layers_from_target(target.model)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
                                   weight_decay=0.0)
     start_step, elapsed = 0, 0.0
