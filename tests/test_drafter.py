@@ -214,13 +214,13 @@ def test_batched_drafting_equals_drafting_alone(target, tmp_path):
 
     def make_requests():
         requests = []
-        for i, length in enumerate((5, 17, 9)):
+        for i, length in enumerate((5, 70, 9)):  # 70 > 64: the pool grows
             request = Request(f"r{i}", list(range(3, 3 + length)), SamplingParams(temperature=0.0), torch.Generator())
             request.output_token_ids = [40 + i]
             requests.append(request)
         return requests
 
-    features = [torch.randn(n, width, generator=generator) for n in (5, 17, 9)]
+    features = [torch.randn(n, width, generator=generator) for n in (5, 70, 9)]
     together = DSparkProposer(drafter)
     batch = make_requests()
     for request, f in zip(batch, features):

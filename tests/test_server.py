@@ -96,6 +96,18 @@ def test_chat_plain_and_streamed(client, model_name, plain_llm):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
 
 
+def test_stop_strings_cut_streamed_and_plain_text_alike(client, model_name, plain_llm):
+    prompt = "Once upon a time"
+    free_text = plain_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0))[0].text
+    stop = free_text[len(free_text) // 2 : len(free_text) // 2 + 3]  # a stop string that does occur
+    expected = plain_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
+    assert client.completions.create(**kwargs).choices[0].text == expected.text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert streamed == expected.text  # nothing of the stop string leaked out before it completed
+
+
 def test_raw_sse_ends_with_done(server, model_name):
     with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"model": model_name, "prompt": "Hi", "max_tokens": 5, "stream": True}, timeout=60) as r:

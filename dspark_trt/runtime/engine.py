@@ -1,10 +1,12 @@
 """The step loop: one target forward per step for every running request.
 
     step():
-        admit waiting requests while there is room
+        admit waiting requests while there are free KV slots
+        decoding requests: the policy decides whether the drafter runs (from earlier confidences);
+            if so, draft a full block each, and the policy picks how many tokens each verifies
         for each running request choose what it feeds:
             prefill  -> the next chunk of its prompt
-            decode   -> [pending token] + its draft block (empty without a drafter)
+            decode   -> [pending token] + its verified draft tokens (none when nothing was drafted)
         run the target once on the ragged batch
         for each request: verify the draft, commit accepted tokens + the corrected/bonus token,
                           roll its KV cache back past rejected drafts, check EOS/stop/length
@@ -106,6 +108,8 @@ class Engine:
         self.last_step = StepStats()
         # Prefix survivals of each request's latest block: the lagged input of `should_draft`.
         self.survival: dict[str, list[float]] = {}
+        self.steps_since_draft = 0
+        self.explore_every = 16  # steps without drafting after which the drafter runs once anyway
         self.profile = profile
         if self.policy.needs_profile and profile is None:
             # No profile given: a quick one now beats deciding blind (which is verify-all).
@@ -288,9 +292,14 @@ class Engine:
             return no_drafts
         tick = time.perf_counter()
         draft_now = self.policy.should_draft([self.survival.get(r.request_id) for r in requests])
+        # Survivals only refresh when the drafter runs: explore now and then, so one bad block
+        # (or a load spike) does not switch drafting off for good.
+        draft_now = draft_now or self.steps_since_draft >= self.explore_every
         stats.scheduler_seconds += time.perf_counter() - tick
         if not draft_now:
+            self.steps_since_draft += 1
             return no_drafts
+        self.steps_since_draft = 0
 
         tick = time.perf_counter()
         blocks = self.proposer.propose(requests)  # always full blocks: the trained block size

@@ -59,6 +59,17 @@ class _Stream:
     num_sent_chars: int = 0
 
 
+def longest_stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
+
+
 class EngineThread:
     def __init__(self, engine: Engine, max_queue: int | None = None):
         self.engine = engine
@@ -189,6 +200,9 @@ class EngineThread:
         if not request.finished:  # a token may end inside a multi-byte character: wait for the rest
             while end > stream.num_sent_chars and text[end - 1] == "\ufffd":
                 end -= 1
+            # Hold back a tail that may be the start of a stop string: if the stop completes, that
+            # tail is cut from the output and must never have been sent.
+            end -= longest_stop_prefix(text[:end], request.params.stop)
         new_text = text[stream.num_sent_chars : end] if end > stream.num_sent_chars else ""
         if not (new_ids or new_text or request.finished):
             return

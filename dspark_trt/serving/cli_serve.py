@@ -26,7 +26,8 @@ def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: 
     from dspark_trt import LLM
 
     if engine_dir is not None:
-        return LLM(engine_dir=engine_dir, policy=policy, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        return LLM(engine_dir=engine_dir, policy=policy or "auto", max_batch_size=max_batch_size,
+                   max_model_len=max_model_len)
     drafter = resolve_drafter(target, drafter)
     if policy is None and drafter is not None:
         policy = "auto"
