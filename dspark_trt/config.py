@@ -68,7 +68,7 @@ class ValidationConfig(Strict):
     context_tokens: int = Field(default=24, ge=2)  # prompt length of each sample request
     logits_atol: float = Field(default=1e-4, gt=0)  # fp32 ONNX Runtime vs torch
     features_atol: float = Field(default=1e-4, gt=0)
-    features_rtol: float = Field(default=1e-5, ge=0)  # features and KV: |diff| <= atol + rtol * |torch|
+    features_rtol: float = Field(default=1e-5, ge=0)  # features and KV: |diff| <= atol + rtol * max|torch|
     probs_atol: float = Field(default=1e-4, gt=0)
 
 
@@ -85,6 +85,7 @@ class BuildConfig(Strict):
     drafter: str | None = "default"  # a drafter checkpoint folder, 'default', 'tiny-random', or null
     block_size: int | None = Field(default=None, ge=1)  # when set, the drafter's block size must equal it
     opset: int = Field(default=20, ge=17)
+    exporter: Literal["dynamo", "torchscript"] = "dynamo"  # torch.export, or the legacy (faster, deprecated) tracer
     target_shapes: TargetShapes = TargetShapes()
     drafter_shapes: DrafterShapes = DrafterShapes()
     engines: EnginesConfig = EnginesConfig()

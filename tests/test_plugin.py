@@ -163,3 +163,23 @@ def test_export_target_equals_the_runtime_forward(target):
     assert (logits - ref.logits).abs().max() < 1e-4
     assert (features - ref.features).abs().max() < 1e-5
     assert (keys - pool.keys).abs().max() < 1e-5 and (values - pool.values).abs().max() < 1e-5
+
+
+def test_dynamo_exporter_writes_the_same_sequential_draft_node(target, tmp_path):
+    """The torch.export path (exporter: dynamo) maps the custom op to the same ONNX node."""
+    import onnx
+
+    from dspark_trt.builder.onnx_export import export_drafter
+    from dspark_trt.config import load_build_config
+
+    drafter = make_drafter(target, "markov", calibrated=True)
+    config = load_build_config("tiny", ["exporter=dynamo"])
+    path = tmp_path / "drafter.onnx"
+    export_drafter(drafter, config, sample_feeds(target, drafter), path, use_plugin=True)
+    model = onnx.load(str(path))
+    nodes = [n for n in model.graph.node if n.domain == "dspark"]
+    assert [n.op_type for n in nodes] == ["SequentialDraft"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs == {"head": 1, "has_confidence": 1, "plugin_namespace": b"dspark", "plugin_version": b"1"}
+    assert [i.name for i in model.graph.input] == ["context_features", "context_lengths", "anchor_tokens",
+                                                   "temperatures", "uniforms"]

@@ -162,7 +162,7 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
     onnx_dir.mkdir()
     report_dir.mkdir()
     files = {"target_onnx": "onnx/target.onnx"}
-    with step("export", "ONNX graphs (torch.onnx, dynamo)"):
+    with step("export", f"ONNX graphs (torch.onnx, {config.exporter} exporter)"):
         target_feeds, target_golden = onnx_export.sample_target_inputs(target, config, feature_layers)
         onnx_export.export_target(target, feature_layers, config, target_feeds, onnx_dir / "target.onnx")
         if drafter is not None:

@@ -43,16 +43,10 @@ def _max_diffs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, 
     return {k: float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) if a[k].size else 0.0 for k in b}
 
 
-def within(diff_to: dict[str, np.ndarray], golden: dict[str, np.ndarray], atol: dict, rtol: dict) -> dict[str, bool]:
-    """Per output: every element satisfies |a - b| <= atol + rtol * |b| (polygraphy's rule)."""
-    return {k: bool((np.abs(diff_to[k].astype(np.float64) - golden[k]) <= atol[k] + rtol.get(k, 0.0) * np.abs(golden[k])).all())
-            for k in atol}
-
-
 def run_onnxruntime(path: Path, feeds: dict[str, np.ndarray], golden: dict[str, np.ndarray], atol: dict[str, float],
-                    golden_dir: Path, name: str, rtol: dict[str, float] | None = None) -> tuple[dict[str, np.ndarray], bool]:
+                    golden_dir: Path, name: str) -> tuple[dict[str, np.ndarray], bool]:
     """Run `path` in ONNX Runtime through polygraphy's Comparator and compare to `golden` with
-    per-output tolerances. Saves inputs and golden outputs as polygraphy JSON."""
+    per-output absolute tolerances. Saves inputs and golden outputs as polygraphy JSON."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
     from polygraphy.comparator.struct import IterationResult
@@ -67,7 +61,7 @@ def run_onnxruntime(path: Path, feeds: dict[str, np.ndarray], golden: dict[str, 
     save_json([feeds], golden_dir / f"{name}_inputs.json")
     torch_results.save(str(golden_dir / f"{name}_golden.json"))
     results.extend(torch_results)
-    rtol = {k: (rtol or {}).get(k, 0.0) for k in atol}
+    rtol = {k: 0.0 for k in atol}
     accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
     ort_outputs = {k: np.asarray(v) for k, v in results[0][1][0].items()}
     return ort_outputs, bool(accuracy)
@@ -148,13 +142,15 @@ def validate_target(target, feature_layers, config: BuildConfig, feeds, runtime_
     golden = _np(runtime_golden)
     atol = {"logits": v.logits_atol, "features": v.features_atol, "present_keys": v.features_atol,
             "present_values": v.features_atol}
-    # Hidden states reach |x| ~ 10^2..10^3 in real targets (fp32 spacing there is ~10^-5..10^-4):
-    # features and KV get a relative term; logits are held to the absolute tolerance alone.
-    rtol = {k: v.features_rtol for k in names if k != "logits"}
-    ort_out, polygraphy_ok = run_onnxruntime(onnx_path, _np(feeds), golden, atol, report_dir, "target", rtol)
+    # Hidden states reach |x| ~ 10^2..10^3 in real targets, and 30 layers of fp32 accumulate
+    # differences of ~10^-4 in them: features and KV get a term relative to the tensor's largest
+    # magnitude; logits are held to the absolute tolerance alone.
+    for k in names[1:]:
+        atol[k] = atol[k] + v.features_rtol * float(np.abs(golden[k]).max())
+    ort_out, polygraphy_ok = run_onnxruntime(onnx_path, _np(feeds), golden, atol, report_dir, "target")
     ort_diff, export_diff = _max_diffs(ort_out, golden), _max_diffs(torch_out, golden)
-    ok = polygraphy_ok and all(within(ort_out, golden, atol, rtol).values())
-    return {"ok": ok, "polygraphy_ok": polygraphy_ok, "tolerances": {"atol": atol, "rtol": rtol},
+    ok = polygraphy_ok and all(ort_diff[k] <= atol[k] for k in names)
+    return {"ok": ok, "polygraphy_ok": polygraphy_ok, "tolerances": atol,
             "onnxruntime_vs_torch_max_abs": ort_diff,
             "feature_max_abs_value": float(np.abs(golden["features"]).max()),
             "export_module_vs_runtime_max_abs": export_diff, "num_tokens": int(feeds["input_ids"].shape[0])}

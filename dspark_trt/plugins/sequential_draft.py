@@ -164,6 +164,28 @@ def onnx_translation():
     return {torch.ops.dspark.sequential_draft.default: translate}
 
 
+def register_torchscript_symbolic(opset: int) -> None:
+    """The same ONNX node for the legacy TorchScript exporter (`torch.onnx.export(dynamo=False)`)."""
+    from torch.onnx import register_custom_op_symbolic
+    from torch.onnx.symbolic_helper import parse_args
+
+    @parse_args(*("v" * len(INPUT_NAMES)), "i", "i")
+    def symbolic(g, logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
+                 conf_inv_temps, temperatures, uniforms, head, has_confidence):
+        tensors = (logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
+                   conf_inv_temps, temperatures, uniforms)
+        outs = g.op(f"{ONNX_DOMAIN}::{ONNX_OP_TYPE}", *tensors, head_i=head, has_confidence_i=has_confidence,
+                    plugin_namespace_s=PLUGIN_NAMESPACE, plugin_version_s=PLUGIN_VERSION, outputs=len(OUTPUT_NAMES))
+        # output types for the exporter's shape inference: ids/probs/confidences like uniforms [B, G]
+        outs[0].setType(uniforms.type().with_dtype(torch.int64))
+        outs[1].setType(uniforms.type())
+        outs[2].setType(uniforms.type())
+        outs[3].setType(logits.type())
+        return outs
+
+    register_custom_op_symbolic("dspark::sequential_draft", symbolic, opset)
+
+
 # ---- face 3: the TensorRT plugin ----------------------------------------------------------------
 
 _registered = False
