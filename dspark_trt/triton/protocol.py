@@ -1,0 +1,165 @@
+"""The Triton model's inputs and outputs: names, types, and their mapping to our runtime.
+
+Names, data types and dims follow TensorRT-LLM's `tensorrt_llm_bls` / `ensemble` models, so a
+client written for those works unchanged (`text_input`, `max_tokens`, `stream`, `temperature`,
+`top_p`, `top_k`, `random_seed`, `stop_words`, `bad_words` in; `text_output` out). Additions:
+`seed` (an alias of `random_seed`), `ignore_eos`, `apply_chat_template`, and outputs with token
+counts and acceptance statistics.
+
+This module is plain numpy: it turns a request's input arrays into a prompt and
+`SamplingParams` (raising `InvalidRequestError` naming the bad input) and a stream delta into
+output arrays. It never imports Triton, so it is tested without a server; `model.py` does the
+Triton side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark_trt.errors import InvalidRequestError
+from dspark_trt.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # a Triton ModelConfig DataType name
+    dims: tuple[int, ...]  # without the batch dimension (the model has max_batch_size 1)
+    optional: bool = True
+    doc: str = ""
+
+
+INPUTS = (
+    TensorSpec("text_input", "TYPE_STRING", (1,), optional=False, doc="the prompt (raw text)"),
+    TensorSpec("max_tokens", "TYPE_INT32", (1,), doc="most tokens to generate (>= 1)"),
+    TensorSpec("stream", "TYPE_BOOL", (1,), doc="true: one response per new piece of text; false: one response"),
+    TensorSpec("temperature", "TYPE_FP32", (1,), doc="0 = greedy"),
+    TensorSpec("top_p", "TYPE_FP32", (1,), doc="nucleus mass in (0, 1]"),
+    TensorSpec("top_k", "TYPE_INT32", (1,), doc="sample among the k likeliest tokens (0 = off)"),
+    TensorSpec("seed", "TYPE_UINT64", (1,), doc="sampling seed (reproducible output)"),
+    TensorSpec("random_seed", "TYPE_UINT64", (1,), doc="TensorRT-LLM's name for seed"),
+    TensorSpec("stop_words", "TYPE_STRING", (-1,), doc="strings that end generation (empty strings are ignored)"),
+    TensorSpec("bad_words", "TYPE_STRING", (-1,), doc="accepted for TensorRT-LLM clients; must be empty"),
+    TensorSpec("ignore_eos", "TYPE_BOOL", (1,), doc="keep generating past end-of-sequence tokens"),
+    TensorSpec("apply_chat_template", "TYPE_BOOL", (1,), doc="wrap text_input as a user turn in the chat template"),
+)
+
+OUTPUTS = (
+    TensorSpec("text_output", "TYPE_STRING", (-1,), doc="new text (streaming) or the whole completion"),
+    TensorSpec("output_ids", "TYPE_INT32", (-1,), doc="the token ids of text_output"),
+    TensorSpec("finish_reason", "TYPE_STRING", (1,), doc="empty until the last response: stop | length | abort"),
+    TensorSpec("num_input_tokens", "TYPE_INT32", (1,), doc="prompt tokens"),
+    TensorSpec("num_output_tokens", "TYPE_INT32", (1,), doc="tokens generated so far"),
+    TensorSpec("num_steps", "TYPE_INT32", (1,), doc="target steps (last response)"),
+    TensorSpec("num_draft_tokens", "TYPE_INT32", (1,), doc="draft tokens verified (last response)"),
+    TensorSpec("num_accepted_tokens", "TYPE_INT32", (1,), doc="draft tokens accepted (last response)"),
+    TensorSpec("accept_length", "TYPE_FP32", (1,), doc="tau: tokens committed per target step (last response)"),
+    TensorSpec("peak_running_requests", "TYPE_INT32", (1,),
+               doc="most requests in one engine step while this one ran (> 1: it was batched with others)"),
+)
+
+INPUT_NAMES = tuple(spec.name for spec in INPUTS)
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    chat: bool
+
+
+def _scalar(inputs: dict[str, np.ndarray], name: str):
+    """The single value of a `[1, 1]` (or `[1]`) input, or None when absent."""
+    array = inputs.get(name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise InvalidRequestError(f"{name} must hold one value, got shape {list(array.shape)}", name)
+    return array.reshape(-1)[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequestError(f"{name} is not valid UTF-8", name) from None
+    if isinstance(value, str):
+        return value
+    raise InvalidRequestError(f"{name} must be a string (TYPE_STRING), got {type(value).__name__}", name)
+
+
+def _strings(inputs: dict[str, np.ndarray], name: str) -> list[str]:
+    array = inputs.get(name)
+    if array is None:
+        return []
+    return [s for s in (_text(v, name) for v in array.reshape(-1)) if s]
+
+
+def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int = 64) -> ParsedRequest:
+    """Input arrays (as Triton hands them, with the batch dimension) -> what to run.
+
+    Triton has already checked names, data types and that `text_input` is present; this checks
+    values, and raises `InvalidRequestError` naming the input at fault.
+    """
+    for name, array in inputs.items():
+        if array.ndim >= 1 and array.shape[0] != 1:
+            raise InvalidRequestError(f"{name}: send one prompt per request (batch size 1), got batch size "
+                                      f"{array.shape[0]}; concurrent requests are batched in flight", name)
+    prompt = _scalar(inputs, "text_input")
+    if prompt is None:
+        raise InvalidRequestError("the input text_input is missing", "text_input")
+    prompt = _text(prompt, "text_input")
+    if not prompt:
+        raise InvalidRequestError("text_input is empty", "text_input")
+    if _strings(inputs, "bad_words"):
+        raise InvalidRequestError("bad_words is not supported by this model (send it empty or leave it out)",
+                                  "bad_words")
+
+    max_tokens = _scalar(inputs, "max_tokens")
+    max_tokens = default_max_tokens if max_tokens is None else int(max_tokens)
+    if max_tokens < 1:  # SamplingParams says the same; checked here to name the Triton input
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    seed, random_seed = _scalar(inputs, "seed"), _scalar(inputs, "random_seed")
+    if seed is not None and random_seed is not None and int(seed) != int(random_seed):
+        raise InvalidRequestError("seed and random_seed differ; send one of them", "seed")
+    seed = seed if seed is not None else random_seed
+    options = {}
+    for name in ("temperature", "top_p"):
+        value = _scalar(inputs, name)
+        if value is not None:
+            options[name] = float(value)
+    top_k = _scalar(inputs, "top_k")
+    if top_k is not None:
+        options["top_k"] = int(top_k)
+    params = SamplingParams(max_tokens=max_tokens, seed=None if seed is None else int(seed),
+                            stop=_strings(inputs, "stop_words"), ignore_eos=bool(_scalar(inputs, "ignore_eos")),
+                            **options)
+    return ParsedRequest(prompt, params, stream=bool(_scalar(inputs, "stream")),
+                         chat=bool(_scalar(inputs, "apply_chat_template")))
+
+
+def response_arrays(text: str, token_ids: list[int], num_input_tokens: int, num_output_tokens: int,
+                    peak_running: int, finish_reason: str | None = None, metrics: dict | None = None
+                    ) -> dict[str, np.ndarray]:
+    """One response's output arrays, each with the batch dimension first."""
+    metrics = metrics or {}
+
+    def one(value, dtype) -> np.ndarray:
+        return np.array([[value]], dtype=dtype)
+
+    return {
+        "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
+        "output_ids": np.array([token_ids], dtype=np.int32).reshape(1, -1),
+        "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
+        "num_input_tokens": one(num_input_tokens, np.int32),
+        "num_output_tokens": one(num_output_tokens, np.int32),
+        "num_steps": one(metrics.get("num_steps", 0), np.int32),
+        "num_draft_tokens": one(metrics.get("num_draft_tokens", 0), np.int32),
+        "num_accepted_tokens": one(metrics.get("num_accepted_tokens", 0), np.int32),
+        "accept_length": one(metrics.get("accept_length", 0.0), np.float32),
+        "peak_running_requests": one(peak_running, np.int32),
+    }
