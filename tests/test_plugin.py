@@ -96,6 +96,7 @@ def test_reference_is_the_drafters_head(target, head):
             else:
                 cdf = expected.cumsum(0)
                 assert ids[b, k] == torch.searchsorted(cdf, uniforms[b, k] * cdf[-1], right=True).clamp(max=cdf.numel() - 1)
+            assert probs[b, k] == dists[b, k, ids[b, k]]
             c = torch.sigmoid(drafter.confidence_logits(hidden[b, k], previous))
             assert abs(float(conf[b, k]) - float(c)) < 1e-6
             previous = ids[b, k]

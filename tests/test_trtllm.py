@@ -4,6 +4,7 @@ TensorRT-LLM itself is not installable here; the checks re-state its loader's an
 rules (GQADSparkForCausalLM.load_weights, SpsCostTable.__post_init__, load_sts_temperatures_from_path)
 and check the numbers: the Markov head and the folded projection against our drafter."""
 
+import itertools
 import json
 import math
 
@@ -33,7 +34,7 @@ def written(tmp_path_factory):
 
 
 def test_drafter_config_declares_the_dspark_heads(written):
-    out, entry, target, drafter = written
+    out, entry, _, _ = written
     config = json.loads((out / "drafter" / "config.json").read_text())
     flash = config["dflash_config"]
     assert config["block_size"] == 4 and config["num_hidden_layers"] == 1 and config["vocab_size"] == 49152
@@ -44,7 +45,7 @@ def test_drafter_config_declares_the_dspark_heads(written):
 
 
 def test_weights_have_the_names_and_shapes_the_loader_checks(written):
-    out, _, target, drafter = written
+    out, _, _, drafter = written
     state = load_file(out / "drafter" / "model.safetensors")
     d, vocab, rank = 64, 49152, 16
     # GQADSparkForCausalLM.load_weights: markov_w1/markov_w2 must be [vocab, markov_rank]
@@ -86,7 +87,7 @@ def test_cost_table_follows_sps_cost_table_rules(written):
     table = json.loads((out / "sps_table.json").read_text())
     counts, theta = table["token_counts"], table["step_time_ms"]
     assert counts == [1, 2, 4, 8, 16] and len(theta) == len(counts)
-    assert all(b > a for a, b in zip(counts, counts[1:]))  # strictly increasing
+    assert all(b > a for a, b in itertools.pairwise(counts))  # strictly increasing
     assert all(math.isfinite(t) and t > 0 for t in theta)
     assert table["fixed_overhead_ms"] >= 0 and table["_meta"]["lookup"] == "interp"
     assert len(set(theta)) > 1  # not the "unprofiled" flat table

@@ -26,7 +26,12 @@ from pathlib import Path
 from dspark_trt import __version__
 from dspark_trt.config import BuildConfig
 from dspark_trt.errors import DsparkError, ModelLoadError
-from dspark_trt.runtime.engine_dir import FORMAT_VERSION, MANIFEST, PROFILE, current_device
+from dspark_trt.runtime.engine_dir import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PROFILE,
+    current_device,
+)
 
 STEPS = ("load", "export", "validate", "engines", "profile", "package")
 
@@ -75,7 +80,11 @@ class _Timer:
 
 def resolve_specs(config: BuildConfig) -> tuple[str, str | None]:
     """Target and drafter specs with `tiny-random` made concrete (created once, cached)."""
-    from dspark_trt.builder.tiny import TINY_SPEC, tiny_drafter_folder, tiny_target_folder
+    from dspark_trt.builder.tiny import (
+        TINY_SPEC,
+        tiny_drafter_folder,
+        tiny_target_folder,
+    )
 
     target = str(tiny_target_folder()) if config.target == TINY_SPEC else config.target
     drafter = config.drafter
@@ -85,6 +94,12 @@ def resolve_specs(config: BuildConfig) -> tuple[str, str | None]:
         drafter = str(tiny_drafter_folder(block_size=config.block_size or 4))
     if target != "default":
         target = str(Path(target).expanduser().resolve())
+    if drafter == "default":  # the committed drafter: the package step copies its folder
+        from dspark_trt.models.drafter_io import DEFAULT_DRAFTER_DIR
+
+        drafter = str(DEFAULT_DRAFTER_DIR)
+    elif drafter is not None:
+        drafter = str(Path(drafter).expanduser().resolve())
     return target, drafter
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from dspark_trt.builder.export_drafter import ExportDrafter
 from dspark_trt.builder.export_drafter import INPUT_NAMES as DRAFTER_INPUTS
 from dspark_trt.builder.export_drafter import OUTPUT_NAMES as DRAFTER_OUTPUTS
+from dspark_trt.builder.export_drafter import ExportDrafter
 from dspark_trt.builder.export_target import INPUT_NAMES as TARGET_INPUTS
 from dspark_trt.builder.export_target import OUTPUT_NAMES as TARGET_OUTPUTS
 from dspark_trt.builder.export_target import ExportTarget
@@ -97,7 +97,7 @@ def _dim(name: str, shape_range) -> Dim:
 
 
 def _export(module, feeds: dict, input_names, output_names, dynamic_shapes, path: Path, config: BuildConfig,
-            plugin: bool = False) -> None:
+            plugin: bool = False, output_axes: dict | None = None) -> None:
     """Export with the configured exporter: `dynamo` (torch.export, the supported path) or
     `torchscript` (the legacy tracer: ~4x faster here, deprecated by PyTorch)."""
     import onnx
@@ -118,6 +118,7 @@ def _export(module, feeds: dict, input_names, output_names, dynamic_shapes, path
                 if plugin:
                     sd.register_torchscript_symbolic(config.opset)
                 axes = {name: {axis: dim.__name__ for axis, dim in dims.items()} for name, dims in dynamic_shapes.items()}
+                axes.update(output_axes or {})  # named output dims (else the tracer invents names)
                 torch.onnx.export(module, args, str(path), dynamo=False, input_names=list(input_names),
                                   output_names=list(output_names), dynamic_axes=axes, opset_version=config.opset,
                                   custom_opsets={sd.ONNX_DOMAIN: 1} if plugin else None)
@@ -133,7 +134,10 @@ def export_target(target: LoadedTarget, feature_layers: tuple[int, ...], config:
                                        _dim("num_slots", s.num_slots), _dim("slot_capacity", s.slot_capacity))
     dynamic = {"input_ids": {0: tokens}, "positions": {0: tokens}, "token_slots": {0: tokens},
                "logits_indices": {0: logits}, "past_keys": {1: slots, 3: capacity}, "past_values": {1: slots, 3: capacity}}
-    _export(ExportTarget(target.model, feature_layers), feeds, TARGET_INPUTS, TARGET_OUTPUTS, dynamic, path, config)
+    outputs = {"logits": {0: "num_logits"}, "features": {0: "batch_tokens"},
+               "present_keys": {1: "num_slots", 3: "slot_capacity"}, "present_values": {1: "num_slots", 3: "slot_capacity"}}
+    _export(ExportTarget(target.model, feature_layers), feeds, TARGET_INPUTS, TARGET_OUTPUTS, dynamic, path, config,
+            output_axes=outputs)
 
 
 def export_drafter(drafter, config: BuildConfig, feeds: dict, path: Path, use_plugin: bool) -> None:
@@ -142,4 +146,4 @@ def export_drafter(drafter, config: BuildConfig, feeds: dict, path: Path, use_pl
     dynamic = {"context_features": {0: batch, 1: context}, "context_lengths": {0: batch},
                "anchor_tokens": {0: batch}, "temperatures": {0: batch}, "uniforms": {0: batch}}
     _export(ExportDrafter(drafter, use_plugin=use_plugin), feeds, DRAFTER_INPUTS, DRAFTER_OUTPUTS, dynamic, path, config,
-            plugin=use_plugin)
+            plugin=use_plugin, output_axes={name: {0: "num_requests"} for name in DRAFTER_OUTPUTS})

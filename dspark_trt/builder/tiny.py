@@ -19,8 +19,9 @@ import torch
 from dspark_trt.models.loading import cache_root, resolve_target
 
 TINY_SPEC = "tiny-random"
-TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True)
+TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+               "tie_word_embeddings": True}
 TINY_FEATURE_LAYERS = (1, 2)
 
 

@@ -30,7 +30,7 @@ class EngineBuildError(DsparkError):
 def why_no_engines() -> str | None:
     """None when TensorRT engines can be built here, else the reason."""
     try:
-        import tensorrt  # noqa: F401
+        import tensorrt
     except ImportError:
         return "tensorrt is not installed (pip install tensorrt on a machine with an NVIDIA GPU)"
     import torch

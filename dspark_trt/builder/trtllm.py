@@ -49,7 +49,6 @@ MIN_THETA_MS = 1e-4  # TensorRT-LLM's SpsCostTable rejects non-positive step tim
 def convert_state(drafter: DSparkDrafter, target_embed: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, list[str]]:
     """(TensorRT-LLM tensors, mask_token_id, differences) for a DSpark drafter."""
     c = drafter.config
-    d, m = c.hidden_size, len(c.feature_layers)
     vocab = c.target_vocab_size
     differences = ["per-layer feature RMS normalisation (only its weights are folded into fc)"]
     fusion = drafter.fusion

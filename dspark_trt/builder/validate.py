@@ -72,7 +72,7 @@ def polygraphy_cli(*args: str) -> tuple[int, str]:
     script = Path(sys.executable).with_name("polygraphy")  # the package has no __main__
     cmd = [sys.executable, str(script)] if script.is_file() else [shutil.which("polygraphy") or "polygraphy"]
     cmd += list(args)
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)  # the caller reads the status
     return done.returncode, (done.stdout + done.stderr)
 
 

@@ -57,6 +57,12 @@ class TensorRTTargetModel:
 
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         c = self.config
+        # The engine's optimization profile bounds the pool: [L, S, KVH, C, HD] at most `biggest`.
+        biggest = tuple(self.engine.get_tensor_profile_shape("past_keys", 0)[2])
+        if num_slots > biggest[1] or slot_capacity > biggest[3]:
+            raise DsparkError(f"the target engine was built for at most {biggest[1]} KV slots of {biggest[3]} positions "
+                              f"(target_shapes.num_slots / slot_capacity); asked for {num_slots} x {slot_capacity}: "
+                              "lower max_batch_size / max_model_len or rebuild with larger shapes")
         pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 1, 1)  # bookkeeping; buffers replaced below
         shape = (c.num_layers, num_slots, c.num_kv_heads, slot_capacity, c.head_dim)
         pool.keys = torch.zeros(shape, device="cuda")
