@@ -87,7 +87,7 @@ def sample_drafter_inputs(target: LoadedTarget, drafter, config: BuildConfig) ->
         out = target.model(ids[:length], [length], [pool.allocate()], torch.tensor([length - 1]), layers)
         features[i, :length] = out.features
         anchors.append(int(ids[length]))
-    temperatures = torch.tensor([(0.0, 1.0, 0.7)[i % 3] for i in range(n)])
+    temperatures = torch.tensor([(0.0, 1.0, 0.0, 0.7)[i % 4] for i in range(n)])  # greedy and sampled rows
     return {"context_features": features, "context_lengths": torch.tensor(lengths), "anchor_tokens": torch.tensor(anchors),
             "temperatures": temperatures, "uniforms": torch.rand(n, drafter.config.block_size, generator=generator)}
 
