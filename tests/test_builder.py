@@ -224,11 +224,18 @@ def test_interrupted_build_leaves_nothing_servable(tmp_path):
 
 
 def test_a_staging_folder_killed_mid_build_is_not_servable(tmp_path):
-    """What a SIGKILL leaves (a staging folder, no manifest) is rejected by serve."""
-    staging = tmp_path / ".out.partial-123"
+    """What a SIGKILL leaves (a staging folder, no manifest) is rejected by serve, and the next
+    build into the same output removes it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a pid that no longer runs
+    staging = tmp_path / f".out.partial-{dead}"
     (staging / "onnx").mkdir(parents=True)
     with pytest.raises(EngineDirError, match="no manifest.json"):
         open_engine_dir(staging)
+    with pytest.raises(ModelLoadError):  # fails at load, after the stale folder was cleared
+        build(load_build_config("tiny", [f"drafter={tmp_path / 'missing'}"]), tmp_path / "out",
+              progress=lambda line: None)
+    assert not staging.exists()
 
 
 def test_existing_output_needs_force(built):

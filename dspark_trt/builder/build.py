@@ -125,6 +125,18 @@ def _staging_dir(output: Path) -> Path:
     return output.parent / f".{output.name}.partial-{os.getpid()}"
 
 
+def _remove_stale_staging(output: Path) -> None:
+    """Staging folders of builds that were killed (their process is gone) are removed."""
+    for folder in output.parent.glob(f".{output.name}.partial-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
 def _install(staging: Path, output: Path) -> None:
     """Move the finished staging folder into place (replacing an old output in two renames)."""
     if output.exists():
@@ -148,6 +160,7 @@ def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", f
         if reason:
             raise BuildError(f"engines.build is 'require' but {reason}")
     output.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(output)
     staging = _staging_dir(output)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
