@@ -95,7 +95,10 @@ class TensorRTTargetModel:
         present_k, present_v = self.spare[id(pool)]
         inputs.update(past_keys=pool.keys, past_values=pool.values)
         for name, tensor in inputs.items():
-            self.context.set_input_shape(name, tuple(tensor.shape))
+            if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                low, _, high = self.engine.get_tensor_profile_shape(name, 0)
+                raise DsparkError(f"{name} of shape {tuple(tensor.shape)} is outside the engine's optimization profile "
+                                  f"[{tuple(low)}, {tuple(high)}] (target_shapes in the build config)")
             self.context.set_tensor_address(name, tensor.data_ptr())
         outputs = {"logits": torch.empty(logits_indices.shape[0], self.config.vocab_size, device="cuda"),
                    "features": torch.empty(token_ids.shape[0], len(self.feature_layers) * self.config.hidden_size,
