@@ -190,7 +190,7 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
 @click.option("--target", default="default", show_default=True)
 def calibrate(drafter_path, data_path, features_dir, target):
     """Fit sequential temperature scaling (STS) of the confidence head on held-out data."""
-    from dspark_trt.models.drafter_io import load_drafter, save_drafter
+    from dspark_trt.models.drafter_io import load_drafter, resave_drafter
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.calibrate import collect_confidences, fit_sts
     from dspark_trt.training.data import ensure_features, load_sequences, read_rows
@@ -207,7 +207,17 @@ def calibrate(drafter_path, data_path, features_dir, target):
     report = fit_sts(logits, accepted)
     drafter.config.confidence_temperatures = report.temperatures
     report_json = json.dumps({"num_blocks": int(logits.shape[0]), "num_rows": len(rows), **vars(report)}, indent=2)
-    save_drafter(drafter, drafter_path, extra_files={"calibration.json": report_json + "\n"})
+    extra = {"calibration.json": report_json + "\n"}
+    card = Path(drafter_path) / "MODEL_CARD.md"
+    if card.is_file():  # keep the card truthful: it was written before calibration
+        temperatures = ", ".join(f"{t:.2f}" for t in report.temperatures)
+        ece = (f"mean ECE {sum(report.ece_before) / len(report.ece_before):.3f} -> "
+               f"{sum(report.ece_after) / len(report.ece_after):.3f}")
+        extra["MODEL_CARD.md"] = "\n".join(
+            f"- calibration (STS temperatures): {temperatures} ({ece}, see calibration.json)."
+            if line.startswith("- calibration (STS temperatures):") else line
+            for line in card.read_text().splitlines()) + "\n"
+    resave_drafter(drafter, drafter_path, extra_files=extra)
     click.echo(f"{logits.shape[0]} held-out blocks from {len(rows)} rows")
     click.echo("position  temperature  ECE before  ECE after  AUC")
     for k, (t, b, a, u) in enumerate(zip(report.temperatures, report.ece_before, report.ece_after, report.auc), 1):

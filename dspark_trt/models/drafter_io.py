@@ -57,6 +57,24 @@ def save_drafter(drafter: DrafterBase, folder: Path, dtype: torch.dtype = torch.
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def resave_drafter(drafter: DrafterBase, folder: Path, extra_files: dict[str, str] | None = None) -> None:
+    """Rewrite a checkpoint in place (e.g. after calibration), keeping its stored precision and
+    the files beside it (model card, reports) unless `extra_files` replaces them."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    dtype = torch.float32
+    with safe_open(folder / "model.safetensors", framework="pt") as stored:
+        for key in stored.keys():
+            tensor = stored.get_tensor(key)
+            if tensor.is_floating_point():
+                dtype = tensor.dtype
+                break
+    kept = {f.name: f.read_text() for f in folder.iterdir()
+            if f.is_file() and f.name not in ("config.json", "model.safetensors") and f.suffix in (".md", ".json", ".txt")}
+    save_drafter(drafter, folder, dtype=dtype, extra_files={**kept, **(extra_files or {})})
+
+
 def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
     from safetensors.torch import load_file
 

@@ -175,10 +175,9 @@ class Engine:
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
-        if request.finished:
-            return
-        request.finish_reason = FinishReason.ABORT
-        self.counters.record_finish(FinishReason.ABORT)
+        if not request.finished:  # a finished request keeps its reason; it is only cleaned up
+            request.finish_reason = FinishReason.ABORT
+            self.counters.record_finish(FinishReason.ABORT)
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:

@@ -26,8 +26,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,43 +181,15 @@ def _ms(stats: dict) -> dict:
     return {k: (v * 1000 if v is not None else None) for k, v in stats.items()}
 
 
-class LocalServer:
-    """`dspark-trt serve` in a subprocess on a free 127.0.0.1 port."""
+def start_server(target: str, spec: PolicySpec, profile: Path | None, max_batch_size: int, log: Path):
+    """One `dspark-trt serve` subprocess for a policy (see `launch.py`)."""
+    from dspark_trt.serving.launch import ServeProcess
 
-    def __init__(self, target: str, spec: PolicySpec, profile: Path | None, max_batch_size: int, log: Path):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "dspark_trt.cli", "serve", "--target", target, "--policy", spec.policy,
-                   "--drafter", spec.drafter or "none", "--port", str(self.port), "--max-batch-size",
-                   str(max_batch_size), "--log-level", "warning"]
-        if profile is not None:
-            command += ["--profile", str(profile)]
-        self.log = open(log, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise DsparkError(f"the server for {spec.label} exited; see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        self.stop()
-        raise DsparkError(f"the server for {spec.label} did not start within 10 minutes; see {log}")
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
+    args = ["--target", target, "--policy", spec.policy, "--drafter", spec.drafter or "none",
+            "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
+    if profile is not None:
+        args += ["--profile", str(profile)]
+    return ServeProcess(args, log)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -271,7 +241,7 @@ def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: l
         server = None
         if url is None:
             echo(f"[{spec.label}] starting server (policy {spec.policy}, drafter {spec.drafter})")
-            server = LocalServer(target, spec, profile, max(concurrencies), output.with_suffix(f".{spec.label}.log"))
+            server = start_server(target, spec, profile, max(concurrencies), output.with_suffix(f".{spec.label}.log"))
         base = url or server.url
         try:
             model = httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
