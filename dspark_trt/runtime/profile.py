@@ -148,15 +148,16 @@ class LatencyProfile:
 # ---- measuring ----------------------------------------------------------------------------------
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int) -> float:
+    """Fastest of `repeats` timed calls after a warm-up: on a shared machine the slow calls are
+    other processes' noise, and the fastest is what the step can cost."""
     fn()  # warm-up: first calls allocate and pick kernels
-    times = []
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 @torch.inference_mode()
@@ -184,7 +185,7 @@ def measure_target_curve(target, batch_tokens: list[int], context_length: int = 
             for cache in used:
                 cache.truncate(context_length)
 
-        seconds.append(_median_seconds(step, repeats))
+        seconds.append(_best_seconds(step, repeats))
         if progress is not None:
             progress(f"target B={size}: {seconds[-1] * 1e3:.1f} ms")
     return seconds
@@ -210,13 +211,24 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
     seconds = []
     try:
         for count in num_requests:
-            seconds.append(_median_seconds(lambda: proposer.propose(requests[:count]), repeats))
+            seconds.append(_best_seconds(lambda: proposer.propose(requests[:count]), repeats))
             if progress is not None:
                 progress(f"drafter n={count}: {seconds[-1] * 1e3:.1f} ms")
     finally:
         for request in requests:
             proposer.release(request)
     return seconds
+
+
+def suffix_minimum(seconds: list[float]) -> list[float]:
+    """t(B) = min over B' >= B of the measured t(B'): a bigger batch that measured faster bounds a
+    smaller one (noise from other processes only ever adds time). On a quiet machine this changes
+    little; on a shared one it removes the spikes that would mislead the scheduler."""
+    result, running = [], float("inf")
+    for value in reversed(seconds):
+        running = min(running, value)
+        result.append(running)
+    return result[::-1]
 
 
 def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, max_requests: int = 32,
@@ -226,15 +238,16 @@ def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, 
     `quick` (used at start-up when no profile was given) measures fewer points with one
     repeat: a few seconds instead of a minute, coarse but far better than no curve.
     """
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 5
     batch_tokens = _powers_of_two(max_batch_tokens)
     if not quick:  # odd sizes between the powers show the jaggedness the scheduler exploits
         batch_tokens = sorted(set(batch_tokens) | {b + b // 2 for b in batch_tokens if 2 < b < max_batch_tokens})
-    target_seconds = measure_target_curve(target, batch_tokens, repeats=repeats, progress=progress)
+    target_seconds = suffix_minimum(measure_target_curve(target, batch_tokens, repeats=repeats, progress=progress))
     num_requests, drafter_seconds = [], []
     if proposer is not None:
         num_requests = _powers_of_two(max_requests)
-        drafter_seconds = measure_drafter_curve(target, proposer, num_requests, repeats=repeats, progress=progress)
+        drafter_seconds = suffix_minimum(measure_drafter_curve(target, proposer, num_requests, repeats=repeats,
+                                                               progress=progress))
     return LatencyProfile(backend="torch-cpu", device=cpu_device_name(),
                           target_batch_tokens=batch_tokens, target_step_seconds=target_seconds,
                           drafter_num_requests=num_requests, drafter_step_seconds=drafter_seconds)

@@ -1,7 +1,8 @@
 """`dspark-trt bench`: an async load generator for the OpenAI server, several policies side by side.
 
-For each policy it starts a server (`dspark-trt serve ... --policy P`, all with one latency
-profile measured first) or uses `--url`, then for each (concurrency, temperature) sends a
+It starts one server per policy (`dspark-trt serve ... --policy P`, all with one latency
+profile measured first, all up at once) or uses `--url`; then for each (temperature,
+concurrency), policy after policy, it sends a
 prompt mix from the chat, code and math sets through streamed chat completions: either
 `concurrency` clients back to back, or Poisson arrivals at `--request-rate` with at most
 `concurrency` in flight. Per request it records time to first token (TTFT), inter-token
@@ -181,12 +182,13 @@ def _ms(stats: dict) -> dict:
     return {k: (v * 1000 if v is not None else None) for k, v in stats.items()}
 
 
-def start_server(target: str, spec: PolicySpec, profile: Path | None, max_batch_size: int, log: Path):
+def start_server(target: str, spec: PolicySpec, profile: Path | None, max_batch_size: int, max_model_len: int,
+                 log: Path):
     """One `dspark-trt serve` subprocess for a policy (see `launch.py`)."""
     from dspark_trt.serving.launch import ServeProcess
 
     args = ["--target", target, "--policy", spec.policy, "--drafter", spec.drafter or "none",
-            "--max-batch-size", str(max_batch_size), "--log-level", "warning"]
+            "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len), "--log-level", "warning"]
     if profile is not None:
         args += ["--profile", str(profile)]
     return ServeProcess(args, log)
@@ -230,29 +232,38 @@ def plot(result: dict, path: Path) -> None:
 
 def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: list[float], num_requests: int | None,
               max_tokens: int, request_rate: float | None, target: str, url: str | None, api_key: str | None,
-              profile: Path | None, output: Path, seed: int = 0, echo=print) -> dict:
+              profile: Path | None, output: Path, seed: int = 0, max_model_len: int = 1024, echo=print) -> dict:
+    """All policies' servers run at once, and each (temperature, concurrency) point is measured for
+    every policy back to back: whatever else loads the machine then loads every policy alike."""
     from dspark_trt.runtime.profile import cpu_device_name
 
     output.parent.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = {"model": target, "drafter": ", ".join(sorted({s.drafter for s in specs if s.drafter})) or None,
               "machine": cpu_device_name(), "max_tokens": max_tokens, "request_rate": request_rate, "runs": []}
-    for spec in specs:
-        server = None
-        if url is None:
-            echo(f"[{spec.label}] starting server (policy {spec.policy}, drafter {spec.drafter})")
-            server = start_server(target, spec, profile, max(concurrencies), output.with_suffix(f".{spec.label}.log"))
-        base = url or server.url
-        try:
-            model = httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-            result["model"] = model
-            for temperature in temperatures:
-                for concurrency in concurrencies:
-                    count = num_requests or max(4, 2 * concurrency)
-                    prompts = load_prompt_mix(count, seed)
+    servers, bases = [], {}
+    try:
+        for spec in specs:
+            if url is None:
+                echo(f"[{spec.label}] starting server (policy {spec.policy}, drafter {spec.drafter})")
+                server = start_server(target, spec, profile, max(concurrencies), max_model_len,
+                                      output.with_suffix(f".{spec.label}.log"))
+                servers.append(server)
+                bases[spec.label] = server.url
+            else:
+                bases[spec.label] = url
+        models = {label: httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+                  for label, base in bases.items()}
+        result["model"] = next(iter(models.values()))
+        for temperature in temperatures:
+            for concurrency in concurrencies:
+                count = num_requests or max(4, 2 * concurrency)
+                prompts = load_prompt_mix(count, seed)
+                for spec in specs:
+                    base = bases[spec.label]
                     before = scrape(base, ("dspark:scheduler_seconds_total", "dspark:step_seconds_total"))
-                    records, wall = asyncio.run(run_load(base, model, prompts, concurrency, temperature, max_tokens,
-                                                         request_rate, seed, headers))
+                    records, wall = asyncio.run(run_load(base, models[spec.label], prompts, concurrency, temperature,
+                                                         max_tokens, request_rate, seed, headers))
                     after = scrape(base, ("dspark:scheduler_seconds_total", "dspark:step_seconds_total"))
                     run = summarize(spec.label, concurrency, temperature, records, wall,
                                     after["dspark:scheduler_seconds_total"] - before["dspark:scheduler_seconds_total"],
@@ -262,9 +273,9 @@ def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: l
                          f"per-user {run['per_user_tok_s'] or 0:6.1f} tok/s, tau {run['accept_length']:.2f}, "
                          f"budget {run['mean_verify_budget']:.2f}, failed {run['num_failed']}")
                     output.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive a crash
-        finally:
-            if server is not None:
-                server.stop()
+    finally:
+        for server in servers:
+            server.stop()
     png = output.with_suffix(".png")
     plot(result, png)
     echo(f"wrote {output} and {png}")

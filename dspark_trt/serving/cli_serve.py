@@ -138,9 +138,11 @@ def parse_list(text: str, kind, option: str) -> list:
               help="Latency profile for every server (default: measured once, before the first server).")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("benchmarks/results/serving.json"), show_default=True, help="JSON; the PNG goes beside it.")
+@click.option("--max-model-len", type=int, default=1024, show_default=True,
+              help="Each server's context per request (bounds the KV memory of several servers at once).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def bench_command(policies, target, drafter, url, api_key, concurrency, temperatures, num_requests, max_tokens,
-                  request_rate, profile_path, output, seed):
+                  request_rate, profile_path, output, max_model_len, seed):
     """Load-test servers: per-user vs total tok/s across concurrency, several policies side by side."""
     from dspark_trt.serving.bench import PolicySpec, run_bench
 
@@ -171,4 +173,4 @@ def bench_command(policies, target, drafter, url, api_key, concurrency, temperat
         profile.save(profile_path)
         del llm
     run_bench(specs, concurrencies, temps, num_requests, max_tokens, request_rate, target, url, api_key, profile_path,
-              output, seed, echo=lambda line: click.echo(line, err=True))
+              output, seed, max_model_len, echo=lambda line: click.echo(line, err=True))
