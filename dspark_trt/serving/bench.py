@@ -164,7 +164,8 @@ def summarize(label: str, concurrency: int, temperature: float, records: list[Re
                 for r in ok if r.completion_tokens > 1 and r.last_token > r.first_token]
     steps_total = sum(r.stats.get("num_steps", 0) for r in ok)
     accepted = sum(r.stats.get("num_accepted_tokens", 0) for r in ok)
-    budgets = [r.stats.get("mean_verify_budget", 0.0) for r in ok]
+    # Requests that never reached a verification step (one-token answers) have no budget to average.
+    budgets = [r.stats.get("mean_verify_budget", 0.0) for r in ok if r.stats.get("num_steps", 0) > 0]
     tpot = [(r.end - r.first_token) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     return {"policy": label, "concurrency": concurrency, "temperature": temperature, "num_requests": len(ok),
             "num_failed": len(failed), "total_tok_s": tokens / wall if wall else 0.0,
