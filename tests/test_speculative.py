@@ -119,3 +119,22 @@ def target_probs_after(llm, tokens, params) -> torch.Tensor:
     logits = llm.target.model(torch.tensor(tokens), [len(tokens)], [pool.allocate()],
                               torch.tensor([len(tokens) - 1])).logits
     return target_probs(logits, params)[0].double()
+
+
+def test_a_stop_inside_accepted_drafts_ends_cleanly(tiny_llama, plain):
+    """A stop string completed by an accepted draft token ends the request mid-commit: the kept
+    positions outnumber the committed tokens, so the drafter must not be fed that step (an EAGLE
+    drafter would find no token for its last position)."""
+
+    class Recording(CallableProposer):
+        def observe(self, request):
+            assert not request.finished, "observe() on a finished request"
+
+    prompt, continuation = next(iter(plain.items()))
+    llm = LLM(target=tiny_llama, drafter=Recording(perfect(plain)))
+    free = llm.tokenizer.decode(list(continuation), skip_special_tokens=True)
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    expected = LLM(target=tiny_llama).generate(list(prompt), params)[0]
+    output = llm.generate(list(prompt), params)[0]
+    assert output.finish_reason == "stop" and output.text == expected.text

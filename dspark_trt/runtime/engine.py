@@ -270,7 +270,10 @@ class Engine:
             row += num_logit_rows
             offset += len(tokens)
             updated.append(request)
-            if hasattr(self.proposer, "observe"):  # keep the drafter's context current every step
+            # Keep the drafter's context current every step. Not for a request that just finished:
+            # EOS or a stop string inside the accepted drafts leaves kept positions without a
+            # committed token after them, and its drafter state is released anyway.
+            if hasattr(self.proposer, "observe") and not request.finished:
                 self.proposer.observe(request)
         for request in self.running:
             if request.finished:

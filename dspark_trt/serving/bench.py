@@ -101,6 +101,9 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, messages, m
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # the server reports a failure inside the stream
+                    record.error = f"stream error: {chunk['error'].get('message')}"
+                    break
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     record.completion_tokens = chunk["usage"]["completion_tokens"]
@@ -208,7 +211,7 @@ def plot(result: dict, path: Path) -> None:
         pareto, budget = axes[0][column], axes[1][column]
         for label in labels:
             runs = sorted((r for r in result["runs"] if r["policy"] == label and r["temperature"] == temperature
-                           and r["per_user_tok_s"]), key=lambda r: r["concurrency"])
+                           and r["per_user_tok_s"] and not r.get("invalid")), key=lambda r: r["concurrency"])
             if not runs:
                 continue
             xs, ys = [r["total_tok_s"] for r in runs], [r["per_user_tok_s"] for r in runs]
