@@ -72,7 +72,7 @@ def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, see
                f"accept_length={m['accept_length']:.2f}]", err=True)
 
 
-DEFAULT_DATAGEN_MIX = ("gsm8k-train:720", "t0:700", "self-instruct", "code-stdlib")
+DEFAULT_DATAGEN_MIX = ("gsm8k-train:730", "t0:700", "self-instruct", "code-stdlib")
 
 
 def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
