@@ -201,7 +201,8 @@ class DSparkProposer:
 
         greedy = torch.tensor([r.params.greedy for r in requests])
         temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
-        previous = drafter.to_draft[anchors]  # [N] draft-vocab ids of x_{k-1}
+        anchor_ids = drafter.to_draft[anchors]  # [N] draft-vocab ids of the anchors (x_0)
+        previous = anchor_ids  # [N] draft-vocab ids of x_{k-1}
         chosen, distributions, state = [], [], None
         for k in range(gamma):
             bias, state = drafter.sequential_bias(hidden[:, k], previous, state)
@@ -214,7 +215,7 @@ class DSparkProposer:
             chosen.append(choice)
             previous = choice
         draft_ids = torch.stack(chosen, 1)  # [N, gamma]
-        previous_ids = torch.cat([drafter.to_draft[anchors][:, None], draft_ids[:, :-1]], 1)
+        previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
         confidence = drafter.confidence_logits(hidden, previous_ids)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None

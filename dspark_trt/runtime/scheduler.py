@@ -187,7 +187,7 @@ class DSparkPolicy(VerifyPolicy):
             return False
         if not known:  # nothing drafted yet: try, so there is something to decide from
             return True
-        fallback = [sum(col) / len(col) for col in zip(*known)] if known else []
+        fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
         rows = [row if row else fallback for row in lagged_survival]
         count = len(rows)
         plain_rate = self.costs.rate(count, count, 0)

@@ -96,10 +96,7 @@ class Server:
                 if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
                     return HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                      "authentication_error", code="invalid_api_key").response()
-            try:
-                return await call_next(request)
-            except HTTPError as e:
-                return e.response()
+            return await call_next(request)  # route errors: the HTTPError handler below
 
         @app.exception_handler(HTTPError)
         async def http_error(request: Request, exc: HTTPError):
