@@ -44,7 +44,8 @@ def test_config_pbtxt_parses_as_tritons_model_config():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    settings = DeploySettings(target="/models/x \"quoted\"", drafter="default", policy="fixed:2")
+    settings = DeploySettings(target="/models/x \"quoted\"", drafter="default", policy="fixed:2",
+                              batch_invariant=True)
     text = render_model_config("dspark", settings.parameters(), instances=3, kind="gpu")
     assert check_model_config(text)
     config = text_format.Parse(text, model_config_pb2.ModelConfig())
@@ -122,10 +123,13 @@ def test_settings_are_strict():
         DeploySettings.from_parameters({"targte": "default"})
     with pytest.raises(DeployConfigError, match="max_model_len must be an integer"):
         DeploySettings.from_parameters({"target": "default", "max_model_len": "lots"})
+    with pytest.raises(DeployConfigError, match="batch_invariant must be true or false"):
+        DeploySettings.from_parameters({"target": "default", "batch_invariant": "yes"})
     with pytest.raises(DeployConfigError, match="either an engine directory or a target"):
         DeploySettings()
     kwargs = DeploySettings(target="rel/model", drafter="default").llm_kwargs(Path("/repo/m/1"))
     assert kwargs["target"] == "/repo/m/1/rel/model" and kwargs["drafter"] == "default"
+    assert kwargs["batch_invariant"] is False
 
 
 def _run_cli(*args) -> tuple[int, str]:
@@ -256,7 +260,7 @@ def server(tiny_models, tmp_path_factory):
     target, drafter = tiny_models
     repo = tmp_path_factory.mktemp("triton-repo")
     code, output = _run_cli("--target", target, "--drafter", drafter, "--output", repo, "--model-name", MODEL,
-                            "--max-model-len", 256, "--max-running-requests", 8)
+                            "--max-model-len", 256, "--max-running-requests", 8, "--batch-invariant")
     assert code == 0, output
     log = repo.parent / "tritonserver.log"
     ports = [_free_port() for _ in range(3)]
@@ -284,7 +288,9 @@ def server(tiny_models, tmp_path_factory):
 def reference(tiny_models):
     """`LLM` on the same target and drafter, in this process: what the server must reproduce."""
     target, drafter = tiny_models
-    llm = LLM(target=target, drafter=str(drafter), max_model_len=256)
+    # Batch-invariant on both sides: Triton batches requests as they arrive, the reference as it
+    # likes, and near-tied logits of a random model would otherwise flip with the batch.
+    llm = LLM(target=target, drafter=str(drafter), max_model_len=256, batch_invariant=True)
 
     def run(prompts, **params):
         return llm.generate(prompts, SamplingParams(**params))
@@ -397,7 +403,6 @@ def _concurrent_round(server, reference, max_tokens: int) -> list[int]:
 
 
 def test_concurrent_grpc_streams_are_batched_and_equal_llm(server, reference):
-    # 20 tokens: longer generations hit a known divergence (the xfail test below).
     peaks = _concurrent_round(server, reference, max_tokens=20)
     # Concurrent requests shared engine steps (an in-flight batch), not one after another.
     assert max(peaks) >= 2, peaks
@@ -406,9 +411,10 @@ def test_concurrent_grpc_streams_are_batched_and_equal_llm(server, reference):
     assert server.generate(text_input="alone", max_tokens=4)["peak_running_requests"] == 1
 
 
-@pytest.mark.xfail(strict=False, reason="known runtime bug: inside tritonserver's Python-backend process, about 1 "
-                   "round in 15 of six concurrent 48-token streams has one greedy stream commit one wrong token "
-                   "after position ~23 (also with plain decoding); not reproduced by the same traffic in-process")
+@pytest.mark.xfail(strict=False, reason="open bug: inside tritonserver's Python-backend process only, about 1 "
+                   "round in 10 of six concurrent 48-token streams has one greedy stream switch to another token "
+                   "whose logit is 7 lower: state corruption, not rounding (batch-invariant mode is on); not "
+                   "reproduced in-process with either numpy, nor explained by cancellation polling")
 def test_long_concurrent_grpc_streams_equal_llm(server, reference):
     for _ in range(6):
         _concurrent_round(server, reference, max_tokens=48)

@@ -13,19 +13,48 @@ MKL's small-M SGEMM is slow on AMD CPUs; numpy's bundled OpenBLAS is not. So inf
 in fp32 goes through numpy (zero-copy views of the same memory); anything else (training with
 gradients, other dtypes, GPU tensors) goes through torch. The weight is stored `[in, out]`, the
 layout that makes one-row products a straight GEMV.
+
+Batch invariance. A BLAS picks its kernel and blocking by the number of rows, so the same row
+multiplied alone or inside a batch of 8 can differ in the last bits (measured: up to 4e-5 on
+SmolLM2's shapes, with OpenBLAS from numpy 1.26 and 2.4 alike). Near-tied logits then flip a
+greedy token depending on what else was in the batch. Inside `one_row_at_a_time()` every
+product runs row by row: a row's result depends on that row alone (and is bit-identical across
+those two OpenBLAS builds). It is slow (no GEMM), so it is for reproducibility, not throughput.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 from torch import nn
+
+_mode = threading.local()
+
+
+@contextmanager
+def one_row_at_a_time():
+    """Within this block (this thread only), `matmul` multiplies row by row (batch invariant)."""
+    previous = getattr(_mode, "row_by_row", False)
+    _mode.row_by_row = True
+    try:
+        yield
+    finally:
+        _mode.row_by_row = previous
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.is_cpu and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
+        return torch.from_numpy(x.detach().contiguous().numpy() @ weight.detach().numpy())
+    return x @ weight
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight`, through numpy's OpenBLAS for CPU fp32 inference (see the table above)."""
-    if x.is_cpu and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
-        return torch.from_numpy(x.detach().contiguous().numpy() @ weight.detach().numpy())
-    return x @ weight
+    if getattr(_mode, "row_by_row", False) and x.dim() == 2 and x.shape[0] > 1:
+        return torch.cat([_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
+    return _matmul(x, weight)
 
 
 class FrozenLinear(nn.Module):

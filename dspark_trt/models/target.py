@@ -16,13 +16,14 @@ Linear layers are `FrozenLinear`: the fastest CPU kernel for the number of rows 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_trt.models.linear import FrozenLinear
+from dspark_trt.models.linear import FrozenLinear, one_row_at_a_time
 from dspark_trt.models.target_config import TargetConfig
 from dspark_trt.runtime.kv_cache import KVCache, KVPool
 
@@ -101,7 +102,9 @@ class AttentionPlan:
     `grouped_attention` one by one, so one long prompt does not pad every other request's queries.
     """
 
-    def __init__(self, caches: list[KVCache], num_new_tokens: list[int]):
+    def __init__(self, caches: list[KVCache], num_new_tokens: list[int], per_token: bool = False):
+        """`per_token`: every query attends on its own (batch-invariant mode: a token's result
+        then depends only on its keys, not on how many tokens or requests share the pass)."""
         if len({id(c.pool) for c in caches}) > 1:
             raise ValueError("all caches of one forward pass must come from the same KVPool")
         for cache, count in zip(caches, num_new_tokens):
@@ -117,8 +120,9 @@ class AttentionPlan:
 
         feeds = list(zip(starts, num_new_tokens, caches))
         short = [(start, count, cache) for start, count, cache in feeds if count <= MAX_BATCHED_FEED]
-        if len(short) < MIN_BATCHED_FEEDS:  # padding and gathering would cost more than they save
+        if len(short) < MIN_BATCHED_FEEDS or per_token:  # padding and gathering would cost more than they save
             short = []
+        self.per_token = per_token
         self.single_feeds = [feed for feed in feeds if feed not in short]
         self.short_rows = None
         if short:
@@ -161,6 +165,11 @@ class AttentionPlan:
             attn = attn.view(num_slots, heads, self.max_feed, head_dim).transpose(1, 2)  # [slots, feed, heads, hd]
             out[self.short_rows] = attn[self.query_slot, self.query_step].reshape(-1, heads * head_dim)
         for start, count, cache in self.single_feeds:
+            if self.per_token:  # token i at position length + i sees keys 0 .. length + i, alone
+                for i in range(count):
+                    keys, values = cache.layer_view(layer, cache.length + i + 1)
+                    out[start + i] = grouped_attention(q[start + i, :, None], keys, values, cache.length + i)[0]
+                continue
             keys, values = cache.layer_view(layer, cache.length + count)
             out[start : start + count] = grouped_attention(q[start : start + count].transpose(0, 1), keys, values,
                                                            cache.length)
@@ -240,17 +249,19 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
-                logits_indices: torch.Tensor | None = None,
-                feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+                logits_indices: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
+                batch_invariant: bool = False) -> TargetOutput:
         """Run `token_ids` `[total_tokens]` (request r's `num_new_tokens[r]` tokens, packed in order).
 
         `logits_indices` `[num_logits]` picks packed positions to compute logits at (default: every
         position). `feature_layers` are 0-based decoder-layer indices whose *outputs* are returned
         (transformers' `hidden_states[i + 1]`). Every cache is advanced by its request's count.
+        `batch_invariant`: each token's logits and features depend on its own sequence only, not
+        on the other tokens of the pass (row-by-row matmuls, per-token attention; slow).
         """
         if len(num_new_tokens) != len(caches) or sum(num_new_tokens) != token_ids.shape[0]:
             raise ValueError("num_new_tokens must give one count per cache and sum to len(token_ids)")
-        plan = AttentionPlan(caches, num_new_tokens)
+        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant)
         positions = plan.positions
         cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
         cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [tokens, 1, head_dim]
@@ -258,10 +269,11 @@ class TargetModel(nn.Module):
         x = self.embed[token_ids]  # [total_tokens, hidden]
         features = []
         wanted = set(feature_layers)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, index, cos, sin, plan)
-            if index in wanted:
-                features.append(x)
+        with one_row_at_a_time() if batch_invariant else nullcontext():
+            for index, layer in enumerate(self.layers):
+                x = layer(x, index, cos, sin, plan)
+                if index in wanted:
+                    features.append(x)
         for cache, count in zip(caches, num_new_tokens):
             cache.advance(count)
 
@@ -271,7 +283,9 @@ class TargetModel(nn.Module):
         if feature_layers:
             by_layer = dict(zip(sorted(wanted), features))
             feature_tensor = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
-        return TargetOutput(logits=self.compute_logits(x), features=feature_tensor)
+        with one_row_at_a_time() if batch_invariant else nullcontext():
+            logits = self.compute_logits(x)
+        return TargetOutput(logits=logits, features=feature_tensor)
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import torch
 
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.models.loading import LoadedTarget
+from dspark_trt.models.target import TargetModel
 from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Draft, Proposer
 from dspark_trt.runtime.request import FinishReason, Request
@@ -85,8 +86,14 @@ class Engine:
     def __init__(self, target: LoadedTarget, proposer: Proposer | None = None,
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
                  feature_layers: tuple[int, ...] = (), policy: VerifyPolicy | str | None = None,
-                 profile: LatencyProfile | None = None):
+                 profile: LatencyProfile | None = None, batch_invariant: bool = False):
+        """`batch_invariant`: a request's tokens do not depend on what else is batched with it
+        (bit-identical target logits, each request drafted on its own); slow, for reproducibility."""
         ensure_cpu_threads_cooperate()
+        if batch_invariant and not isinstance(target.model, TargetModel):
+            raise InvalidRequestError("batch_invariant needs the built-in PyTorch target, not a "
+                                      f"{type(target.model).__name__} backend", "batch_invariant")
+        self.batch_invariant = batch_invariant
         self.target = target
         self.policy = self._check_policy(policy, proposer)
         if not self.policy.uses_drafter:
@@ -238,8 +245,9 @@ class Engine:
             torch.tensor([t for _, tokens, _ in feeds for t in tokens]),
             [len(tokens) for _, tokens, _ in feeds],
             [request.cache for request, _, _ in feeds],
-            torch.tensor(logits_indices),
+            torch.tensor(logits_indices, dtype=torch.long),  # may be empty: mid-prompt chunks only
             self.feature_layers,
+            **({"batch_invariant": True} if self.batch_invariant else {}),
         )
 
         updated, row, offset = [], 0, 0
@@ -304,7 +312,10 @@ class Engine:
         self.steps_since_draft = 0
 
         tick = time.perf_counter()
-        blocks = self.proposer.propose(requests)  # always full blocks: the trained block size
+        if self.batch_invariant:  # a batched drafter pass would round each request's draft by the batch
+            blocks = [block for request in requests for block in self.proposer.propose([request])]
+        else:
+            blocks = self.proposer.propose(requests)  # always full blocks: the trained block size
         stats.drafter_seconds = time.perf_counter() - tick
         stats.num_drafting = len(requests)
 

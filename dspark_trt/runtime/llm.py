@@ -51,11 +51,15 @@ class LLM:
     def __init__(self, target: str | os.PathLike = "default", drafter: Proposer | str | None = None,
                  engine_dir: str | os.PathLike | None = None, dtype: str = "float32",
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
-                 policy: str | None = None, profile: LatencyProfile | str | os.PathLike | None = None):
+                 policy: str | None = None, profile: LatencyProfile | str | os.PathLike | None = None,
+                 batch_invariant: bool = False):
         """`policy`: how many draft tokens each step verifies (`none`, `fixed:K`, `threshold:H`,
         `dspark`, `dspark-lagged`; default: the whole block when a drafter is given, else `none`).
         `profile`: a `profile.json` (or `LatencyProfile`) for the confidence policies; without
-        one they measure a quick profile at start-up."""
+        one they measure a quick profile at start-up.
+        `batch_invariant`: every request's output is what it would be alone (same tokens at
+        temperature 0 whatever else runs; same samples per seed with a per-request policy).
+        Row-by-row matmuls make it several times slower: for tests and reproducibility."""
         built = None
         if engine_dir is not None:  # target, drafter and latency profile come from what `dspark-trt build` wrote
             from dspark_trt.runtime.engine_dir import open_engine_dir
@@ -88,7 +92,8 @@ class LLM:
         if isinstance(profile, (str, os.PathLike)):
             profile = LatencyProfile.load(profile)
         self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                             max_model_len=max_model_len, policy=policy, profile=profile)
+                             max_model_len=max_model_len, policy=policy, profile=profile,
+                             batch_invariant=batch_invariant)
 
     # ---- prompts ----------------------------------------------------------------------------
 

@@ -22,17 +22,17 @@ def resolve_drafter(target: str, drafter: str | None) -> str | None:
 
 
 def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: str | None, profile: Path | None,
-             max_batch_size: int, max_model_len: int):
+             max_batch_size: int, max_model_len: int, batch_invariant: bool = False):
     from dspark_trt import LLM
 
     if engine_dir is not None:
         return LLM(engine_dir=engine_dir, policy=policy or "auto", max_batch_size=max_batch_size,
-                   max_model_len=max_model_len)
+                   max_model_len=max_model_len, batch_invariant=batch_invariant)
     drafter = resolve_drafter(target, drafter)
     if policy is None and drafter is not None:
         policy = "auto"
     return LLM(target=target, drafter=drafter, policy=policy, profile=profile, max_batch_size=max_batch_size,
-               max_model_len=max_model_len)
+               max_model_len=max_model_len, batch_invariant=batch_invariant)
 
 
 def runtime_options(command):
@@ -64,10 +64,13 @@ def runtime_options(command):
               help="Require 'Authorization: Bearer KEY' (also $DSPARK_API_KEY); /health and /metrics stay public.")
 @click.option("--max-queue", type=int, default=None, help="Most requests waiting for a slot; more get HTTP 429.")
 @click.option("--served-model-name", default=None, help="The model name clients send (default: the target's name).")
+@click.option("--batch-invariant", is_flag=True,
+              help="Each request's output is what it would be alone (bit-identical logits whatever is batched "
+                   "with it). Several times slower: for reproducibility and tests.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, host, port,
-                  api_key, max_queue, served_model_name, log_level):
+                  api_key, max_queue, served_model_name, batch_invariant, log_level):
     """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with in-flight batching.
 
     Give an ENGINE_DIR written by `dspark-trt build`, or choose --target/--drafter/--policy.
@@ -76,7 +79,7 @@ def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_s
 
     if max_queue is not None and max_queue < 0:
         raise click.BadParameter("must be >= 0", param_hint="--max-queue")
-    llm = load_llm(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len)
+    llm = load_llm(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, batch_invariant)
     engine = llm.engine
     click.echo(f"serving {llm.target.name} with policy {engine.policy.name}"
                + (f", drafter {type(engine.proposer).__name__}" if engine.proposer else "")

@@ -34,9 +34,13 @@ from dspark_trt.triton.model_config import INSTANCE_KINDS
               help="Waiting requests per instance before new ones get UNAVAILABLE (0: no limit).")
 @click.option("--default-max-tokens", type=int, default=64, show_default=True,
               help="max_tokens of a request that sends none.")
+@click.option("--batch-invariant", is_flag=True,
+              help="Each request's output is what it would be alone, whatever Triton batches with it "
+                   "(bit-identical logits). Several times slower: for reproducibility and tests.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing REPO/NAME.")
 def triton_command(engine_dir, repo, model_name, instances, instance_kind, target, drafter, policy, dtype,
-                   max_running_requests, max_batch_tokens, max_model_len, max_queue, default_max_tokens, overwrite):
+                   max_running_requests, max_batch_tokens, max_model_len, max_queue, default_max_tokens,
+                   batch_invariant, overwrite):
     """Write a Triton model repository that serves ENGINE_DIR (from `dspark-trt build`) with dspark-trt's runtime.
 
     The model is a decoupled (streaming) Python-backend model named like TensorRT-LLM's Triton
@@ -54,7 +58,7 @@ def triton_command(engine_dir, repo, model_name, instances, instance_kind, targe
     settings = resolve_settings(engine_dir, target, drafter, policy, dtype=dtype,
                                 max_running_requests=max_running_requests, max_batch_tokens=max_batch_tokens,
                                 max_model_len=max_model_len, max_queue=max_queue,
-                                default_max_tokens=default_max_tokens)
+                                default_max_tokens=default_max_tokens, batch_invariant=batch_invariant)
     folder = write_repository(repo, settings, model_name, instances, instance_kind, overwrite)
     click.echo(f"wrote {folder} (config.pbtxt, 1/model.py)")
     click.echo(f"serve:  tritonserver --model-repository {folder.parent}")

@@ -32,6 +32,7 @@ class DeploySettings:
     max_model_len: int = 2048  # longest prompt + output
     max_queue: int = 0  # requests waiting beyond the running ones before new ones are refused (0: no limit)
     default_max_tokens: int = 64  # when a request sends no max_tokens
+    batch_invariant: bool = False  # outputs independent of the batch (slow; see LLM)
 
     def __post_init__(self):
         if bool(self.engine_dir) == bool(self.target):
@@ -47,8 +48,10 @@ class DeploySettings:
             raise DeployConfigError(f"max_queue must be >= 0, got {self.max_queue}")
 
     def parameters(self) -> dict[str, str]:
-        """The config.pbtxt parameters (empty ones left out)."""
-        return {f.name: str(getattr(self, f.name)) for f in fields(self) if str(getattr(self, f.name)) != ""}
+        """The config.pbtxt parameters (empty ones left out; booleans as true/false)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: str(value).lower() if isinstance(value, bool) else str(value)
+                for name, value in values.items() if str(value) != ""}
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> DeploySettings:
@@ -63,6 +66,10 @@ class DeploySettings:
                     values[key] = int(text)
                 except ValueError:
                     raise DeployConfigError(f"config.pbtxt parameter {key} must be an integer, got {text!r}") from None
+            elif known[key].type == "bool":
+                if text.lower() not in ("true", "false"):
+                    raise DeployConfigError(f"config.pbtxt parameter {key} must be true or false, got {text!r}")
+                values[key] = text.lower() == "true"
             else:
                 values[key] = text
         return cls(**values)
@@ -75,7 +82,7 @@ class DeploySettings:
 
         kwargs = dict(dtype=self.dtype, max_batch_size=self.max_running_requests,
                       max_batch_tokens=self.max_batch_tokens, max_model_len=self.max_model_len,
-                      policy=self.policy or None)
+                      policy=self.policy or None, batch_invariant=self.batch_invariant)
         if self.engine_dir:
             return dict(engine_dir=path(self.engine_dir), **kwargs)
         return dict(target=path(self.target), drafter=path(self.drafter) if self.drafter else None, **kwargs)
