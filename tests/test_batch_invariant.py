@@ -11,13 +11,13 @@ import random
 
 import pytest
 import torch
+from tiny_drafters import make_drafter
 
 from dspark_trt import LLM, SamplingParams
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.models.loading import load_target
-from dspark_trt.runtime.engine import Engine
 from dspark_trt.runtime.dspark_proposer import DSparkProposer
-from tiny_drafters import make_drafter
+from dspark_trt.runtime.engine import Engine
 
 
 def _logits_alone(model, tokens: list[int], split: int) -> torch.Tensor:

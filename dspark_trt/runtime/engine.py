@@ -32,7 +32,12 @@ from dspark_trt.models.target import TargetModel
 from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Draft, Proposer
 from dspark_trt.runtime.request import FinishReason, Request
-from dspark_trt.runtime.sampling import SamplingParams, sample, target_probs, verify_draft
+from dspark_trt.runtime.sampling import (
+    SamplingParams,
+    sample,
+    target_probs,
+    verify_draft,
+)
 from dspark_trt.runtime.scheduler import VerifyPolicy, make_policy, prefix_survival
 from dspark_trt.runtime.threads import ensure_cpu_threads_cooperate
 
