@@ -8,6 +8,8 @@ writes `benchmarks/results/offline.json` (the list of eval outputs, macro averag
 and temperature, the ratios the paper reports, and each drafter's calibration report),
 `offline.md` (tables) and `offline_<dataset>.png` (per-position acceptance).
 Default drafters: whichever of checkpoints/smollm2-135m-instruct/{dspark,dflash,eagle3,mtp1} exist.
+Resumable: runs already in the output (same --max-tokens) are kept and skipped, and the files are
+rewritten after every run; macro averages and ratios appear once a drafter has every dataset.
 """
 
 from __future__ import annotations
@@ -41,39 +43,56 @@ def main() -> int:
         or DATASETS
     temperatures = args.temperature or [0.0, 1.0]
 
-    runs, calibration = [], {}
+    # Resumable: runs already in the output (same max_tokens) are kept and not repeated, and the
+    # output is rewritten after every run, so an interrupted sweep continues where it stopped.
+    runs = []
+    if args.output.is_file():
+        previous = json.loads(args.output.read_text())
+        if previous.get("max_tokens") == args.max_tokens:
+            runs = previous["runs"]
+    calibration = {}
     for name, path in drafters.items():
-        llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size)
         report = Path(path) / "calibration.json"
         if report.is_file():
             calibration[name] = json.loads(report.read_text())
-        for dataset, count in datasets.items():
+        todo = [(d, c, t) for d, c in datasets.items() for t in temperatures
+                if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t for r in runs)]
+        if not todo:
+            continue
+        llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size)
+        for dataset, count, temperature in todo:
             prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, count)]
-            for temperature in temperatures:
-                params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i)
-                          for i in range(len(prompts))]
-                result = evaluate(llm, prompts, params, args.batch_size, compare_plain=False)
-                runs.append({"drafter": name, "dataset": dataset, "temperature": temperature, **result})
-                print(f"{name:8s} {dataset:10s} T={temperature}: tau {result['accept_length']:.2f}", flush=True)
+            params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i)
+                      for i in range(len(prompts))]
+            result = evaluate(llm, prompts, params, args.batch_size, compare_plain=False)
+            runs.append({"drafter": name, "dataset": dataset, "temperature": temperature, **result})
+            print(f"{name:8s} {dataset:10s} T={temperature}: tau {result['accept_length']:.2f}", flush=True)
+            write_outputs(args.output, runs, calibration, args.max_tokens, datasets, temperatures)
+    write_outputs(args.output, runs, calibration, args.max_tokens, datasets, temperatures)
+    print(f"wrote {args.output}")
+    return 0
 
+
+def write_outputs(output: Path, runs, calibration, max_tokens, datasets, temperatures) -> None:
+    """offline.json, offline.md and the per-dataset PNGs from the runs so far."""
+    names = list(dict.fromkeys(r["drafter"] for r in runs))
     macro = {}
-    for name in drafters:
+    for name in names:
         for temperature in temperatures:
             taus = [r["accept_length"] for r in runs if r["drafter"] == name and r["temperature"] == temperature]
-            macro[f"{name}@T={temperature}"] = sum(taus) / len(taus)
+            if len(taus) == len(datasets):  # a macro average only over the full set of datasets
+                macro[f"{name}@T={temperature}"] = sum(taus) / len(taus)
     ratios = {}
     for temperature in temperatures:
         for baseline in ("dflash", "eagle3", "mtp1"):
-            if "dspark" in drafters and baseline in drafters:
-                ratios[f"dspark/{baseline}@T={temperature}"] = (macro[f"dspark@T={temperature}"]
-                                                                 / macro[f"{baseline}@T={temperature}"])
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"runs": runs, "macro_accept_length": macro, "ratios": ratios,
-                                       "calibration": calibration, "max_tokens": args.max_tokens}, indent=2) + "\n")
-    write_markdown(args.output.with_suffix(".md"), runs, macro, ratios, drafters, datasets, temperatures)
-    plot(args.output, runs, datasets, temperatures)
-    print(f"wrote {args.output}")
-    return 0
+            ours, theirs = macro.get(f"dspark@T={temperature}"), macro.get(f"{baseline}@T={temperature}")
+            if ours and theirs:
+                ratios[f"dspark/{baseline}@T={temperature}"] = ours / theirs
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"runs": runs, "macro_accept_length": macro, "ratios": ratios,
+                                  "calibration": calibration, "max_tokens": max_tokens}, indent=2) + "\n")
+    write_markdown(output.with_suffix(".md"), runs, macro, ratios, names, datasets, temperatures)
+    plot(output, runs, datasets, temperatures)
 
 
 def write_markdown(path: Path, runs, macro, ratios, drafters, datasets, temperatures) -> None:
@@ -82,7 +101,8 @@ def write_markdown(path: Path, runs, macro, ratios, drafters, datasets, temperat
         for t in temperatures:
             cells = [next((f"{r['accept_length']:.2f}" for r in runs if r["drafter"] == name
                            and r["dataset"] == d and r["temperature"] == t), "-") for d in datasets]
-            lines.append(f"| {name} | {t} | " + " | ".join(cells) + f" | {macro[f'{name}@T={t}']:.2f} |")
+            average = macro.get(f"{name}@T={t}")
+            lines.append(f"| {name} | {t} | " + " | ".join(cells) + f" | {'-' if average is None else f'{average:.2f}'} |")
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios.items())]
     path.write_text("\n".join(lines) + "\n")
 
