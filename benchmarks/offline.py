@@ -76,6 +76,7 @@ def main() -> int:
 def write_outputs(output: Path, runs, calibration, max_tokens, datasets, temperatures) -> None:
     """offline.json, offline.md and the per-dataset PNGs from the runs so far."""
     names = list(dict.fromkeys(r["drafter"] for r in runs))
+    temperatures = sorted({*temperatures, *(r["temperature"] for r in runs)})
     macro = {}
     for name in names:
         for temperature in temperatures:
