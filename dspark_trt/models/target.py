@@ -274,17 +274,14 @@ class TargetModel(nn.Module):
                 x = layer(x, index, cos, sin, plan)
                 if index in wanted:
                     features.append(x)
+            logits = self.compute_logits(x if logits_indices is None else x[logits_indices])
         for cache, count in zip(caches, num_new_tokens):
             cache.advance(count)
 
-        if logits_indices is not None:
-            x = x[logits_indices]
         feature_tensor = None
         if feature_layers:
             by_layer = dict(zip(sorted(wanted), features))
             feature_tensor = torch.cat([by_layer[i] for i in feature_layers], dim=-1)
-        with one_row_at_a_time() if batch_invariant else nullcontext():
-            logits = self.compute_logits(x)
         return TargetOutput(logits=logits, features=feature_tensor)
 
     # ---- weights -------------------------------------------------------------------------
