@@ -1,10 +1,8 @@
 """Batch-invariant mode: a request's output does not depend on what else shares its steps.
 
 Without it, a BLAS rounds a row differently depending on how many rows the product has, so a
-near-tied greedy choice can flip with the batch. (The Triton concurrency divergence is not this:
-there the right token leads by 7 logits; see the xfail in test_triton.py.) These tests check the
-guarantee directly: bit-identical
-target logits for a sequence alone and inside mixed batches, and identical engine outputs
+near-tied greedy choice can flip with the batch. These tests check the guarantee directly:
+bit-identical target logits for a sequence alone and inside mixed batches, and identical engine outputs
 (greedy, and seeded samples with the default fixed-block policy) under random arrival orders.
 """
 

@@ -81,6 +81,13 @@ def _scalar(inputs: dict[str, np.ndarray], name: str):
     return array.reshape(-1)[0]
 
 
+def _decimal(value) -> float:
+    """An FP32 input as the decimal the client wrote: 0.8 arrives as 0.800000011920929 and would
+    sample (slightly) differently from `LLM` given 0.8; the shortest decimal that rounds to the
+    same float32 is what was meant."""
+    return float(str(np.float32(value)))
+
+
 def _text(value, name: str) -> str:
     if isinstance(value, (bytes, np.bytes_)):
         try:
@@ -131,7 +138,7 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int = 64) -
     for name in ("temperature", "top_p"):
         value = _scalar(inputs, name)
         if value is not None:
-            options[name] = float(value)
+            options[name] = _decimal(value)
     top_k = _scalar(inputs, "top_k")
     if top_k is not None:
         options["top_k"] = int(top_k)
