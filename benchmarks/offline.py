@@ -10,6 +10,12 @@ and temperature, the ratios the paper reports, and each drafter's calibration re
 Default drafters: whichever of checkpoints/smollm2-135m-instruct/{dspark,dflash,eagle3,mtp1} exist.
 Resumable: runs already in the output (same --max-tokens) are kept and skipped, and the files are
 rewritten after every run; macro averages and ratios appear once a drafter has every dataset.
+Parallel sweeps: run one drafter per process, each with its own --output, then
+
+    python benchmarks/offline.py --max-tokens 32 --merge part1.json --merge part2.json ...
+
+which adds their runs to --output (a run of the same drafter, dataset and temperature replaces
+the one there) and rewrites the outputs without evaluating anything.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8, help="tau does not depend on it; time does")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/offline.json"))
+    parser.add_argument("--merge", action="append", type=Path, default=[],
+                        help="offline.json of another sweep (same --max-tokens) to merge in; evaluates nothing")
     args = parser.parse_args()
 
     from dspark_trt import LLM, SamplingParams
@@ -50,7 +58,9 @@ def main() -> int:
         previous = json.loads(args.output.read_text())
         if previous.get("max_tokens") == args.max_tokens:
             runs = previous["runs"]
-    calibration = {}
+    if args.merge:
+        return merge(args.output, runs, args.merge, args.max_tokens, datasets, temperatures)
+    calibration, ran = {}, False
     for name, path in drafters.items():
         report = Path(path) / "calibration.json"
         if report.is_file():
@@ -68,14 +78,35 @@ def main() -> int:
             runs.append({"drafter": name, "dataset": dataset, "temperature": temperature, **result})
             print(f"{name:8s} {dataset:10s} T={temperature}: tau {result['accept_length']:.2f}", flush=True)
             write_outputs(args.output, runs, calibration, args.max_tokens, datasets, temperatures)
-    write_outputs(args.output, runs, calibration, args.max_tokens, datasets, temperatures)
+            ran = True
+    if not ran:  # everything was already there: still refresh the tables, plots and calibration
+        write_outputs(args.output, runs, calibration, args.max_tokens, datasets, temperatures)
     print(f"wrote {args.output}")
+    return 0
+
+
+def merge(output: Path, runs: list, parts: list[Path], max_tokens: int, datasets, temperatures) -> int:
+    """Add the runs of other sweeps' outputs to `runs`; a part's run replaces the same cell's."""
+    calibration = json.loads(output.read_text()).get("calibration", {}) if output.is_file() else {}
+    for part in parts:
+        data = json.loads(part.read_text())
+        if data.get("max_tokens") != max_tokens:
+            print(f"error: {part} was run with --max-tokens {data.get('max_tokens')}, not {max_tokens}", file=sys.stderr)
+            return 2
+        for run in data["runs"]:
+            cell = (run["drafter"], run["dataset"], run["temperature"])
+            runs = [r for r in runs if (r["drafter"], r["dataset"], r["temperature"]) != cell] + [run]
+        calibration.update(data.get("calibration", {}))
+    write_outputs(output, runs, calibration, max_tokens, datasets, temperatures)
+    print(f"merged {len(parts)} file(s) into {output}: {len(runs)} runs")
     return 0
 
 
 def write_outputs(output: Path, runs, calibration, max_tokens, datasets, temperatures) -> None:
     """offline.json, offline.md and the per-dataset PNGs from the runs so far."""
-    names = list(dict.fromkeys(r["drafter"] for r in runs))
+    canonical = ["dspark", "dflash", "eagle3", "mtp1"]  # then any others, in order of appearance
+    names = sorted(dict.fromkeys(r["drafter"] for r in runs),
+                   key=lambda n: canonical.index(n) if n in canonical else len(canonical))
     temperatures = sorted({*temperatures, *(r["temperature"] for r in runs)})
     macro = {}
     for name in names:
