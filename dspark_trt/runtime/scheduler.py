@@ -177,9 +177,14 @@ class DSparkPolicy(VerifyPolicy):
     name = "dspark"
     needs_confidence = True
     needs_profile = True
-    default_survival = 0.5  # assumed per-position confidence of a request with no history yet
+
+    def __init__(self):
+        super().__init__()
+        # (best total budget, its rate) of the last should_draft, from the survivals it was given
+        self.last_plan: tuple[int, float] | None = None
 
     def should_draft(self, lagged_survival):
+        self.last_plan = None
         if self.costs is None:
             return True
         known = [row for row in lagged_survival if row]
@@ -190,9 +195,8 @@ class DSparkPolicy(VerifyPolicy):
         fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
         rows = [row if row else fallback for row in lagged_survival]
         count = len(rows)
-        plain_rate = self.costs.rate(count, count, 0)
-        _, drafting_rate = best_budget(rows, self.costs, count)
-        return drafting_rate > plain_rate
+        self.last_plan = best_budget(rows, self.costs, count)
+        return self.last_plan[1] > self.costs.rate(count, count, 0)  # drafting beats plain decoding
 
     def budgets(self, survival, draft_lengths, num_drafting):
         if self.costs is None:
@@ -212,13 +216,9 @@ class LaggedDSparkPolicy(DSparkPolicy):
 
     def should_draft(self, lagged_survival):
         draft = super().should_draft(lagged_survival)
-        known = [row for row in lagged_survival if row]
-        if self.costs is None or not known:
-            self.lagged_budget = -1  # unknown: verify the whole blocks this step
-        else:
-            rows = [row if row else [self.default_survival ** (j + 1) for j in range(len(known[0]))]
-                    for row in lagged_survival]
-            self.lagged_budget, _ = best_budget(rows, self.costs, len(rows) if draft else 0)
+        # The budget that pays best given that the drafter runs: also right for a step that drafts
+        # only to refresh survivals (exploration), whose drafter cost is spent either way.
+        self.lagged_budget = -1 if self.last_plan is None else self.last_plan[0]  # -1: verify whole blocks
         return draft
 
     def budgets(self, survival, draft_lengths, num_drafting):
