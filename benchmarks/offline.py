@@ -53,13 +53,11 @@ def main() -> int:
 
     # Resumable: runs already in the output (same max_tokens) are kept and not repeated, and the
     # output is rewritten after every run, so an interrupted sweep continues where it stopped.
-    runs = []
-    if args.output.is_file():
-        previous = json.loads(args.output.read_text())
-        if previous.get("max_tokens") == args.max_tokens:
-            runs = previous["runs"]
+    previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
+    runs = previous["runs"] if previous.get("max_tokens") == args.max_tokens else []
     if args.merge:
-        return merge(args.output, runs, args.merge, args.max_tokens, datasets, temperatures)
+        return merge(args.output, runs, previous.get("calibration", {}), args.merge, args.max_tokens, datasets,
+                     temperatures)
     calibration, ran = {}, False
     for name, path in drafters.items():
         report = Path(path) / "calibration.json"
@@ -85,9 +83,10 @@ def main() -> int:
     return 0
 
 
-def merge(output: Path, runs: list, parts: list[Path], max_tokens: int, datasets, temperatures) -> int:
-    """Add the runs of other sweeps' outputs to `runs`; a part's run replaces the same cell's."""
-    calibration = json.loads(output.read_text()).get("calibration", {}) if output.is_file() else {}
+def merge(output: Path, runs: list, calibration: dict, parts: list[Path], max_tokens: int, datasets,
+          temperatures) -> int:
+    """Add the runs of other sweeps' outputs to `runs` (and their calibration reports to
+    `calibration`); a part's run replaces the same cell's."""
     for part in parts:
         data = json.loads(part.read_text())
         if data.get("max_tokens") != max_tokens:

@@ -120,7 +120,9 @@ class AttentionPlan:
 
         feeds = list(zip(starts, num_new_tokens, caches))
         short = [(start, count, cache) for start, count, cache in feeds if count <= MAX_BATCHED_FEED]
-        if len(short) < MIN_BATCHED_FEEDS or per_token:  # padding and gathering would cost more than they save
+        # Per-token mode attends query by query; otherwise a few short feeds cost more to pad and
+        # gather than they save.
+        if per_token or len(short) < MIN_BATCHED_FEEDS:
             short = []
         self.per_token = per_token
         self.single_feeds = [feed for feed in feeds if feed not in short]

@@ -252,6 +252,8 @@ class Engine:
             [request.cache for request, _, _ in feeds],
             torch.tensor(logits_indices, dtype=torch.long),  # may be empty: mid-prompt chunks only
             self.feature_layers,
+            # only passed when on: other backends (TensorRT) take no such argument, and __init__
+            # allows the mode only with the PyTorch TargetModel
             **({"batch_invariant": True} if self.batch_invariant else {}),
         )
 
