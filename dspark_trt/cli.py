@@ -235,22 +235,27 @@ def calibrate(drafter_path, data_path, features_dir, target):
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Requests in flight at once.")
+@click.option("--policy", default="all", show_default=True,
+              help="Draft tokens each step verifies: all (the whole block: acceptance as the drafter sees it), "
+                   "fixed:K, threshold:H, dspark or dspark-lagged (confidence-scheduled, from a latency profile "
+                   "measured at start-up).")
 @click.option("--no-plain", is_flag=True, help="Skip the plain-decoding comparison run.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the JSON here.")
-def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, max_tokens, seed, batch_size, no_plain,
-                     output):
+def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, max_tokens, seed, batch_size, policy,
+                     no_plain, output):
     """Measure acceptance length (tau), per-position acceptance and speed-up on a dataset."""
     from dspark_trt import LLM, SamplingParams
     from dspark_trt.training.evaluate import evaluate
     from dspark_trt.training.prompts import load_prompts
 
     base = SamplingParams(max_tokens=max_tokens, temperature=temperature)  # validates before loading models
-    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1))
+    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1), policy=policy)
     prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, num_prompts)]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, seed=seed + i)
               for i in range(len(prompts))]
     result = {"dataset": dataset, "drafter": str(drafter_spec), "drafter_kind": llm.engine.proposer.drafter.config.kind,
-              "target": llm.target.name, "temperature": temperature, "max_tokens": max_tokens, "seed": seed,
+              "target": llm.target.name, "policy": policy, "temperature": temperature, "max_tokens": max_tokens,
+              "seed": seed,
               **evaluate(llm, prompts, params, batch_size, compare_plain=not no_plain)}
     text = json.dumps(result, indent=2)
     if output:

@@ -236,6 +236,43 @@ def test_batched_drafting_equals_drafting_alone(target, tmp_path):
                               together.last_confidences[request.request_id], atol=1e-5)
 
 
+def test_markov_rows_equal_the_heads_bias_and_do_not_depend_on_the_batch(target):
+    """The proposer's table of Markov-head rows gives the head's own bias for warm, cold and
+    out-of-vocabulary previous tokens, computes only rows it has not seen, and a lazily computed
+    row has the same bits whichever other rows were computed with it."""
+    from dspark_trt.runtime.dspark_proposer import MarkovRows
+
+    drafter = make_drafter(target, vocab_size=512).eval()
+    ids = torch.tensor([0, 3, 300, 511, 512, 300])  # warm (< 4), cold, the OOV row (= vocab size), a repeat
+    with torch.inference_mode():
+        table = MarkovRows(drafter, warm_rows=4)
+        assert table.known == {0, 1, 2, 3}
+        bias = table(ids)  # [6, 512]
+        head, _ = drafter.sequential_bias(torch.zeros(len(ids), drafter.config.hidden_size), ids)
+        assert bias.shape == (6, 512)
+        assert torch.allclose(bias, head, atol=1e-5)
+        assert table.known == {0, 1, 2, 3, 300, 511, 512}
+        other = MarkovRows(drafter, warm_rows=4)
+        assert torch.equal(other(torch.tensor([300])), bias[2:3])  # alone vs with 511 and 512
+    assert not torch.equal(bias[2], bias[3])  # rows differ: the lookup is by token
+
+
+def test_draft_linear_inference_path_equals_the_training_path():
+    """DraftLinear multiplies through numpy's BLAS at inference and through autograd in training;
+    both compute x @ W^T, for 2-d and 3-d inputs, and gradients still reach the weight."""
+    from dspark_trt.models.linear import DraftLinear
+
+    torch.manual_seed(0)
+    layer = DraftLinear(16, 24, bias=False)
+    x = torch.randn(2, 5, 16)
+    expected = x @ layer.weight.detach().t()
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), expected, atol=1e-5)
+        assert torch.allclose(layer(x[0]), expected[0], atol=1e-5)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
 def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):
     """The cached, incremental drafting at inference equals training-time test on the same tokens:
     the first draft token's logits at the pending position agree."""
@@ -271,3 +308,40 @@ def test_cli_generate_with_a_drafter(tiny_llama, target, tmp_path):
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)["metrics"]
     assert metrics["num_draft_tokens"] > 0 and metrics["num_steps"] >= 1
+
+
+def test_cli_eval_writes_the_documented_json(tiny_llama, target, tmp_path):
+    """`dspark-trt eval` on a JSONL file: the JSON holds what issue 3 names (tau, conditional
+    per-position acceptance, both speeds, identical greedy text); `--policy fixed:2` verifies at
+    most two tokens a step; a bad policy is a one-line error, not a traceback."""
+    import subprocess
+    import sys
+
+    save_drafter(make_drafter(target), tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hello there", "Count to five", "Why?")))
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "dspark_trt.cli", "eval", "--target", str(tiny_llama),
+                               "--drafter", str(tmp_path / "drafter"), "--dataset", str(prompts), "--num-prompts", "2",
+                               "--max-tokens", "10", *extra], capture_output=True, text=True, timeout=300)
+
+    result = run("--output", str(tmp_path / "eval.json"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["num_prompts"] == 2 and report["dataset"] == str(prompts) and report["policy"] == "all"
+    assert report["drafter"] == str(tmp_path / "drafter") and report["temperature"] == 0.0
+    assert report["accept_length"] == 1 + report["num_accepted_tokens"] / report["num_steps"]
+    assert len(report["per_position_acceptance"]) == 4  # the tiny drafter's block
+    assert all(0.0 <= a <= 1.0 for a in report["per_position_acceptance"])
+    assert report["speculative_tok_s"] > 0 and report["plain_tok_s"] > 0
+    assert report["identical_outputs"] == 2  # greedy speculative text is the plain text
+
+    fixed = run("--policy", "fixed:2", "--no-plain")
+    assert fixed.returncode == 0, fixed.stderr
+    fixed_report = json.loads(fixed.stdout)
+    assert 0 < fixed_report["num_draft_tokens"] <= 2 * fixed_report["num_steps"]
+    assert "plain_tok_s" not in fixed_report
+
+    bad = run("--policy", "fixed:-1", "--no-plain")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "fixed:K" in bad.stderr

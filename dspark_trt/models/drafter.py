@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.linear import matmul
+from dspark_trt.models.linear import DraftLinear, matmul
 from dspark_trt.models.target import apply_rope, rms_norm
 
 
@@ -59,7 +59,7 @@ class FeatureFusion(nn.Module):
     def __init__(self, num_layers: int, hidden_size: int, eps: float):
         super().__init__()
         self.norms = nn.ModuleList(RMSNorm(hidden_size, eps) for _ in range(num_layers))
-        self.project = nn.Linear(num_layers * hidden_size, hidden_size, bias=False)
+        self.project = DraftLinear(num_layers * hidden_size, hidden_size, bias=False)
         self.norm = RMSNorm(hidden_size, eps)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
@@ -76,11 +76,11 @@ class DraftLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps)
-        self.q = nn.Linear(d, config.num_heads * hd, bias=False)
-        self.kv = nn.Linear(d, 2 * config.num_kv_heads * hd, bias=False)
-        self.o = nn.Linear(config.num_heads * hd, d, bias=False)
-        self.gate_up = nn.Linear(d, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, d, bias=False)
+        self.q = DraftLinear(d, config.num_heads * hd, bias=False)
+        self.kv = DraftLinear(d, 2 * config.num_kv_heads * hd, bias=False)
+        self.o = DraftLinear(config.num_heads * hd, d, bias=False)
+        self.gate_up = DraftLinear(d, 2 * config.intermediate_size, bias=False)
+        self.down = DraftLinear(config.intermediate_size, d, bias=False)
 
     def keys_values(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`states` `[..., n, d]` -> keys, values `[..., kv_heads, n, head_dim]` (keys rotated)."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dspark_trt.models.drafter import DraftLayer, DrafterBase, RMSNorm, rope_tables
+from dspark_trt.models.linear import DraftLinear
 
 
 class EagleDrafter(DrafterBase):
@@ -28,7 +29,7 @@ class EagleDrafter(DrafterBase):
         d = config.hidden_size
         self.token_norm = RMSNorm(d, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)  # own outputs re-enter as features
-        self.combine = nn.Linear(2 * d, d, bias=False)
+        self.combine = DraftLinear(2 * d, d, bias=False)
         self.layer = DraftLayer(config)
 
     def draft_layers(self):

@@ -67,3 +67,18 @@ class FrozenLinear(nn.Module):
         # x: [rows, in] -> [rows, out]
         y = matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias
+
+
+class DraftLinear(nn.Linear):
+    """A trained linear layer (drafters): `nn.Linear` for training, `matmul` for inference.
+
+    Drafters train with autograd, so their weights stay `[out, in]` `nn.Linear` parameters (and
+    checkpoints keep their names). At inference torch's default small-M SGEMM is the slow MKL
+    one of the table above: it made a DSpark backbone pass of 7 rows ~6x slower than OpenBLAS.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or self.bias is not None:
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])  # [rows, in]: one GEMM (and row by row when batch invariant)
+        return matmul(rows, self.weight.t()).view(*x.shape[:-1], self.out_features)

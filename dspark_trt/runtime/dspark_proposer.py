@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark_trt.models.drafter import DSparkDrafter, rope_tables
+from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, rope_tables
+from dspark_trt.models.linear import matmul, one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import sample
@@ -123,6 +124,38 @@ class ContextPool:
         return views, lengths
 
 
+class MarkovRows:
+    """The Markov head's bias `B(x) = W1[x] @ W2` `[V_d]` for each previous token x, kept once computed.
+
+    B depends on the previous token alone, so it is a `[V_d + 1, V_d]` table. Computing a row
+    reads all of W2 (`r x V_d`, 8 MB in fp32 at the defaults), which at gamma = 7 slots cost
+    over 15% of a CPU draft; looking a row up reads 32 KB. The rows of the `warm_rows` most
+    frequent tokens (the draft vocabulary is in frequency order) are computed up front in one
+    GEMM, any other row alone on first use; either way a row's bits never depend on what else
+    was drafted. The table is allocated empty, so the OS commits memory only for rows in use
+    (32 KB each: 32 MB warm, at most 268 MB for 8,192 tokens). Assumes the drafter's weights
+    do not change afterwards, as the context pool already does.
+    """
+
+    def __init__(self, drafter: DSparkDrafter, warm_rows: int = 1024):
+        self.w1 = drafter.previous_embedding.weight.detach()  # [V_d + 1, r]
+        self.w2_t = drafter.sequential.w2.weight.detach().t()  # [r, V_d]
+        self.rows = torch.empty(self.w1.shape[0], self.w2_t.shape[1], dtype=self.w2_t.dtype)  # [V_d + 1, V_d]
+        warm = min(warm_rows, self.rows.shape[0])
+        with torch.no_grad():
+            self.rows[:warm] = matmul(self.w1[:warm], self.w2_t)
+        self.known: set[int] = set(range(warm))
+
+    def __call__(self, previous_draft_ids: torch.Tensor) -> torch.Tensor:
+        """previous_draft_ids `[N]` -> bias `[N, V_d]`. Call under no_grad/inference_mode (the proposer does)."""
+        missing = sorted(set(previous_draft_ids.tolist()) - self.known)
+        if missing:
+            with one_row_at_a_time():
+                self.rows[missing] = matmul(self.w1[missing], self.w2_t)
+            self.known.update(missing)
+        return self.rows.index_select(0, previous_draft_ids)  # 3x faster than rows[ids] here
+
+
 class DSparkProposer:
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter.eval()
@@ -133,6 +166,13 @@ class DSparkProposer:
         self.pool = ContextPool(len(drafter.layers), config.num_kv_heads, config.head_dim)
         self.queued: dict[str, list[torch.Tensor]] = {}  # request id -> features not yet in the pool
         self.last_confidences: dict[str, torch.Tensor] = {}  # request id -> [gamma] calibrated c_k
+        self.markov_rows = MarkovRows(drafter) if isinstance(drafter.sequential, MarkovHead) else None
+
+    def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
+        """B_k `[N, V_d]` (or None without a head) and the RNN state; a Markov head's from its table."""
+        if isinstance(self.drafter.sequential, MarkovHead):
+            return self.markov_rows(previous), None
+        return self.drafter.sequential_bias(hidden, previous, state)
 
     def observe(self, request: Request) -> None:
         """Queue the target features of the positions the last step kept for `request`."""
@@ -199,19 +239,22 @@ class DSparkProposer:
         hidden = drafter.backbone(block, positions, context_kv, mask)  # [N, gamma, d]
         backbone_logits = drafter.backbone_logits(hidden)  # [N, gamma, V_d]
 
-        greedy = torch.tensor([r.params.greedy for r in requests])
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
         anchor_ids = drafter.to_draft[anchors]  # [N] draft-vocab ids of the anchors (x_0)
         previous = anchor_ids  # [N] draft-vocab ids of x_{k-1}
         chosen, distributions, state = [], [], None
         for k in range(gamma):
-            bias, state = drafter.sequential_bias(hidden[:, k], previous, state)
-            logits = backbone_logits[:, k] if bias is None else backbone_logits[:, k] + bias  # [N, V_d]
+            bias, state = self._head_bias(hidden[:, k], previous, state)
+            logits = backbone_logits[:, k]  # [N, V_d]
+            if bias is not None:
+                logits.add_(bias)  # in place: U_k is not needed again
             choice = logits.argmax(-1)
-            probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
-            for i in torch.nonzero(~greedy).flatten().tolist():
-                choice[i] = sample(probs[i], requests[i].generator)
-            distributions.append(probs)
+            if sampled:  # greedy requests need no distribution: verification compares tokens
+                probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
+                for i in sampled:
+                    choice[i] = sample(probs[i], requests[i].generator)
+                distributions.append(probs)
             chosen.append(choice)
             previous = choice
         draft_ids = torch.stack(chosen, 1)  # [N, gamma]
@@ -220,7 +263,7 @@ class DSparkProposer:
         confidence = drafter.confidence_logits(hidden, previous_ids)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
         tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
-        all_probs = torch.stack(distributions, 1)  # [N, gamma, V_d]
+        all_probs = torch.stack(distributions, 1) if sampled else None  # [N, gamma, V_d]
 
         drafts = [None] * num_requests
         for i, request in enumerate(requests):
