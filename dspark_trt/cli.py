@@ -141,10 +141,12 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 @click.option("--anchors", type=int, default=16, show_default=True, help="Anchors (blocks) per sequence.")
 @click.option("--lr", type=float, default=6e-4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--slot-decay", type=click.FloatRange(min=0.0, min_open=True), default=4.0, show_default=True,
+              help="Loss weight of draft slot k is exp(-(k-1)/DECAY): smaller puts more weight on early slots.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the final drafter here in fp16 with a model card (what gets committed).")
 def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
-          steps, stop_at, batch_size, anchors, lr, seed, export_dir):
+          steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.drafter_config import DrafterConfig
     from dspark_trt.models.features import default_feature_layers
@@ -167,7 +169,7 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
                                       draft_vocab_size=draft_vocab)
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
-                               learning_rate=lr, seed=seed)
+                               learning_rate=lr, seed=seed, slot_decay=slot_decay)
     drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
     if export_dir:

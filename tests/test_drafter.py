@@ -102,11 +102,13 @@ def test_loss_terms_on_a_hand_checked_case(target):
     losses.target_probs_on_draft_vocab = lambda d, b, n, e: p_target
     try:
         terms = drafter_loss(drafter, FakeBatch(), None, 0.0)
+        front_loaded = drafter_loss(drafter, FakeBatch(), None, 0.0, slot_decay=0.5)  # `--slot-decay 0.5`
     finally:
         losses.draft_logits, losses.target_probs_on_draft_vocab = original_logits, original_target
     l1_1 = abs(0.25 - 0.4) + abs(0.25 - 0.2) + abs(0.25 - 0.2) + abs(0.25 - 0.0) + 0.2  # = 0.7
     l1_2 = abs(1.0 - 0.5) + 0.5  # draft puts 1.0 on token 1; target 0.5 there and 0.5 outside D
     assert math.isclose(terms.l1, l1_1 * 1.0 + l1_2 * math.exp(-1 / 4), rel_tol=1e-4)
+    assert math.isclose(front_loaded.l1, l1_1 * 1.0 + l1_2 * math.exp(-1 / 0.5), rel_tol=1e-4)
     ce = (-math.log(0.25) + 0.0) / 2
     assert math.isclose(terms.ce, ce, abs_tol=1e-4)
     c1, c2 = 1 - 0.5 * l1_1, 1 - 0.5 * l1_2

@@ -74,7 +74,8 @@ class DraftLinear(nn.Linear):
 
     Drafters train with autograd, so their weights stay `[out, in]` `nn.Linear` parameters (and
     checkpoints keep their names). At inference torch's default small-M SGEMM is the slow MKL
-    one of the table above: it made a DSpark backbone pass of 7 rows ~6x slower than OpenBLAS.
+    one of the table above: a DSpark backbone layer on a block of 7 rows took 5.9 ms
+    through it and 1.6 ms through OpenBLAS.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,8 @@ class DSparkProposer:
     def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """B_k `[N, V_d]` (or None without a head) and the RNN state; a Markov head's from its table."""
         if isinstance(self.drafter.sequential, MarkovHead):
+            if self.markov_rows is None:  # the head was attached after the proposer was built
+                self.markov_rows = MarkovRows(self.drafter)
             return self.markov_rows(previous), None
         return self.drafter.sequential_bias(hidden, previous, state)
 

@@ -1,7 +1,7 @@
 """The drafter training loss (DESIGN.md section 1):
 
     loss = 0.1 * CE + 0.9 * sum_k w_k * ||p_draft_k - p_target_k||_1 + 1.0 * BCE(c_k, c*_k)
-    w_k = exp(-(k-1)/4),   c*_k = 1 - 0.5 * ||p_draft_k - p_target_k||_1
+    w_k = exp(-(k-1)/4) (the 4: `--slot-decay`),   c*_k = 1 - 0.5 * ||p_draft_k - p_target_k||_1
 
 `c*_k` is the exact probability that rejection sampling accepts draft slot k given its prefix.
 The draft distribution lives on the draft vocabulary D; the target's on the full vocabulary,
@@ -35,8 +35,12 @@ class LossTerms:
     acceptance_per_position: list[float]  # mean c*_k per slot: teacher-forced acceptance rate
 
 
-def slot_weights(block_size: int) -> torch.Tensor:
-    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / 4.0)
+SLOT_DECAY = 4.0
+
+
+def slot_weights(block_size: int, decay: float = SLOT_DECAY) -> torch.Tensor:
+    """w_k = exp(-(k-1)/decay), k = 1..gamma: a smaller decay puts more of the loss on early slots."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
 
 
 def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,7 +73,8 @@ def l1_to_target(log_p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Ten
     return (log_p_draft.exp() - p_target).abs().sum(-1) + outside_mass
 
 
-def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Tensor, eps: float) -> LossTerms:
+def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Tensor, eps: float,
+                 slot_decay: float = SLOT_DECAY) -> LossTerms:
     logits, confidence = draft_logits(drafter, batch)
     with torch.no_grad():
         p_target = target_probs_on_draft_vocab(drafter, batch, target_final_norm, eps)
@@ -83,7 +88,7 @@ def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Te
     in_vocab = (label_ids < logits.shape[-1]) & batch.valid
     ce_all = -log_p_draft.gather(-1, label_ids.clamp(max=logits.shape[-1] - 1)[..., None]).squeeze(-1)
     ce = (ce_all * in_vocab).sum() / in_vocab.sum().clamp(min=1)
-    l1_term = (l1 * slot_weights(logits.shape[2]) * valid).sum() / num_blocks
+    l1_term = (l1 * slot_weights(logits.shape[2], slot_decay) * valid).sum() / num_blocks
 
     soft_label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
     bce = torch.zeros(())
