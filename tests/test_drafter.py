@@ -158,6 +158,11 @@ def test_training_resumes_from_its_checkpoint(target, dataset, tmp_path):
     resumed = load_drafter(tmp_path / "a" / "drafter", target)
     for (name, a), b in zip(resumed.state_dict().items(), straight.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), name
+    # Extending the schedule resumes quietly; changing the recipe on resume is said out loud.
+    with pytest.warns(UserWarning, match=r"slot_decay 4.0 -> 2.0"):
+        train_drafter(target, sequences, config, vocab, TrainConfig(steps=22, checkpoint_every=10, sequences_per_batch=2,
+                                                                    anchors_per_sequence=4, slot_decay=2.0),
+                      tmp_path / "b", progress=False)
 
 
 @pytest.mark.parametrize("kind, head", ALL_KINDS)

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import time
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,6 +79,19 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.learning_rate * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+# What may change when a run resumes: its length (to extend a schedule) and how often it logs.
+RESUMABLE_CHANGES = {"steps", "checkpoint_every", "log_every"}
+
+
+def _warn_on_recipe_change(saved: dict, config: TrainConfig) -> None:
+    """A resumed run continues with the options given now; say which differ from the saved run's."""
+    defaults = asdict(TrainConfig())
+    changed = [f"{name} {saved.get(name, defaults[name])} -> {value}" for name, value in asdict(config).items()
+               if name not in RESUMABLE_CHANGES and saved.get(name, defaults[name]) != value]
+    if changed:
+        warnings.warn("resuming with a different training recipe: " + ", ".join(changed), stacklevel=3)
+
+
 def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_config: DrafterConfig,
                   draft_vocab: torch.Tensor, config: TrainConfig, run_dir: Path,
                   progress: bool = True, stop_at: int | None = None) -> DrafterBase:
@@ -100,6 +114,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         start_step, elapsed = state["step"], state["elapsed"]
+        _warn_on_recipe_change(state.get("train_config", {}), config)
         generator.set_state(state["generator"])
         rng.setstate(state["rng"])
     final_norm, eps = target.model.final_norm.detach(), target.config.rms_norm_eps
