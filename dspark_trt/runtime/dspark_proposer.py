@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, rope_tables
-from dspark_trt.models.linear import matmul, one_row_at_a_time
+from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import sample
@@ -138,20 +138,24 @@ class MarkovRows:
     """
 
     def __init__(self, drafter: DSparkDrafter, warm_rows: int = 1024):
-        self.w1 = drafter.previous_embedding.weight.detach()  # [V_d + 1, r]
-        self.w2_t = drafter.sequential.w2.weight.detach().t()  # [r, V_d]
-        self.rows = torch.empty(self.w1.shape[0], self.w2_t.shape[1], dtype=self.w2_t.dtype)  # [V_d + 1, V_d]
-        warm = min(warm_rows, self.rows.shape[0])
+        self.drafter = drafter  # rows come from its own head (`sequential_bias`), so they are its bias exactly
+        vocab_size = drafter.draft_vocab.numel()
+        self.rows = torch.empty(vocab_size + 1, vocab_size, dtype=drafter.sequential.w2.weight.dtype)  # [V_d + 1, V_d]
+        warm = min(warm_rows, vocab_size + 1)
         with torch.no_grad():
-            self.rows[:warm] = matmul(self.w1[:warm], self.w2_t)
+            self.rows[:warm] = self._compute(torch.arange(warm))
         self.known: set[int] = set(range(warm))
+
+    def _compute(self, previous_draft_ids: torch.Tensor) -> torch.Tensor:
+        bias, _ = self.drafter.sequential_bias(None, previous_draft_ids)  # a Markov head ignores the hidden state
+        return bias
 
     def __call__(self, previous_draft_ids: torch.Tensor) -> torch.Tensor:
         """previous_draft_ids `[N]` -> bias `[N, V_d]`. Call under no_grad/inference_mode (the proposer does)."""
         missing = sorted(set(previous_draft_ids.tolist()) - self.known)
         if missing:
             with one_row_at_a_time():
-                self.rows[missing] = matmul(self.w1[missing], self.w2_t)
+                self.rows[missing] = self._compute(torch.tensor(missing))
             self.known.update(missing)
         return self.rows.index_select(0, previous_draft_ids)  # 3x faster than rows[ids] here
 
