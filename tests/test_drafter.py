@@ -280,6 +280,44 @@ def test_draft_linear_inference_path_equals_the_training_path():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_dspark_proposer_drafts_what_training_trains(target, dataset, head):
+    """The proposer's block (every slot's distribution and confidence) equals the training
+    forward's at the same anchor, teacher-forced on the tokens the proposer drew: context
+    positions, RoPE, masks and the sequential head's state agree between the two paths, so
+    what the loss optimises is what decoding gets."""
+    from dspark_trt.runtime.dspark_proposer import DSparkProposer
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.training.data import Sequence
+
+    _, sequences = dataset
+    seq = next(s for s in sequences if s.token_ids.numel() >= s.prompt_length + 12)
+    drafter = make_drafter(target, head=head).eval()
+    gamma, width = drafter.config.block_size, len(FEATURE_LAYERS) * target.config.hidden_size
+    p = seq.prompt_length + 3  # the pending token's position: the block's anchor
+    request = Request("r", seq.token_ids[: seq.prompt_length].tolist(), SamplingParams(temperature=1.0),
+                      torch.Generator().manual_seed(0))
+    request.output_token_ids = seq.token_ids[seq.prompt_length : p + 1].tolist()
+    request.new_features = seq.features[:p, :width].float()
+    proposer = DSparkProposer(drafter)
+    proposer.observe(request)
+    draft = proposer.propose([request])[0]
+
+    tokens = seq.token_ids.clone()
+    tokens[p + 1 : p + 1 + gamma] = torch.tensor(draft.tokens)  # teacher-force the drawn block
+    forced = Sequence(seq.row_id, tokens, seq.prompt_length, seq.features, seq.logsumexp)
+    batch = make_batch([forced], tokens.numel(), gamma, len(FEATURE_LAYERS), target.config.hidden_size,
+                       torch.Generator())  # more anchors than candidates: every position is one, in order
+    with torch.no_grad():
+        logits, confidence = draft_logits(drafter, batch)
+    a = p - (seq.prompt_length - 1)
+    assert batch.anchor_tokens[0, a] == tokens[p] and batch.valid[0, a].all()
+    trained = torch.softmax(logits[0, a], dim=-1)  # [gamma, V_d]
+    drafted = draft.probs[:, drafter.draft_vocab]  # [gamma, V_d]
+    assert torch.allclose(drafted, trained, atol=1e-5)
+    assert torch.allclose(proposer.last_confidences["r"], torch.sigmoid(confidence[0, a]), atol=1e-5)
+
+
 def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):
     """The cached, incremental drafting at inference equals training-time test on the same tokens:
     the first draft token's logits at the pending position agree."""
