@@ -58,8 +58,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as features_dir:
             ensure_features(llm.target, decoded, Path(features_dir), tuple(config.feature_layers))
             sequences = load_sequences(decoded, Path(features_dir))
-        at_anchors = agreement = at_all = num_all = 0
-        num_anchors = 0
+        num_anchors = at_anchors = agreement = num_all = at_all = 0
         for sequence, log in zip(sequences, first_slot_accepted):
             candidates = sequence.token_ids.numel() - sequence.prompt_length  # anchors P-1 .. T-2, in order
             batch = make_batch([sequence], candidates, config.block_size, len(config.feature_layers),
