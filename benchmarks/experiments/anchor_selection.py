@@ -54,7 +54,8 @@ def main() -> int:
             out = llm.generate([row["prompt_ids"]], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))[0]
             decoded.append({"id": row["id"], "prompt_ids": row["prompt_ids"], "response_ids": list(out.token_ids)})
             first_slot_accepted.append(step_log.first_slot(len(row["prompt_ids"])))
-        drafter, config = llm.engine.proposer.drafter, llm.engine.proposer.drafter.config
+        drafter = llm.engine.proposer.drafter
+        config = drafter.config
         with tempfile.TemporaryDirectory() as features_dir:
             ensure_features(llm.target, decoded, Path(features_dir), tuple(config.feature_layers))
             sequences = load_sequences(decoded, Path(features_dir))
@@ -116,7 +117,6 @@ class StepLog:
             if num_drafted:
                 log.append((position, num_accepted > 0))
             position += num_accepted + 1
-        self.steps.clear()
         return log
 
 

@@ -24,6 +24,7 @@ from dspark_trt.models.target import rms_norm
 from dspark_trt.training.data import Batch
 
 CE_WEIGHT, L1_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
+SLOT_DECAY = 4.0  # w_k = exp(-(k-1)/SLOT_DECAY)
 
 
 @dataclass
@@ -33,9 +34,6 @@ class LossTerms:
     l1: float
     bce: float
     acceptance_per_position: list[float]  # mean c*_k per slot: teacher-forced acceptance rate
-
-
-SLOT_DECAY = 4.0
 
 
 def slot_weights(block_size: int, decay: float = SLOT_DECAY) -> torch.Tensor:
