@@ -118,6 +118,25 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     click.echo(f"wrote {added} new rows to {output} ({len(prompts)} prompts in all)")
 
 
+def training_device(name: str):
+    """`--device` -> a torch device; asking for a GPU that is not there is an error, not a silent CPU run."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise click.BadParameter(f"{name!r} is not a device (cpu, cuda, cuda:N or auto)", param_hint="--device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("no CUDA GPU is visible to PyTorch here (use --device cpu)", param_hint="--device")
+    if device.type not in ("cpu", "cuda"):
+        raise click.BadParameter(f"{name!r}: only cpu and cuda are supported", param_hint="--device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise click.BadParameter(f"{name!r}: only {torch.cuda.device_count()} GPU(s) visible", param_hint="--device")
+    return device
+
+
 @main.command()
 @click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL rows written by `dspark-trt datagen`.")
@@ -145,16 +164,20 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
               help="Loss weight of draft slot k is exp(-(k-1)/DECAY): smaller puts more weight on early slots.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the final drafter here in fp16 with a model card (what gets committed).")
+@click.option("--device", default="auto", show_default=True,
+              help="Where to train and compute missing features: cpu, cuda, cuda:N, or auto (cuda when a GPU "
+                   "is visible).")
 def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
-          steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir):
+          steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
-    from dspark_trt.models.drafter_config import DrafterConfig
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import ensure_features, load_sequences, read_rows
-    from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, is_held_out, train_drafter
+    from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, drafter_config_for, is_held_out, train_drafter
 
+    device = training_device(device)
     loaded = load_target(target)
+    loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
     rows = [r for r in read_rows(data_path) if not is_held_out(r["id"])]
@@ -162,15 +185,12 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
         raise click.BadParameter(f"{data_path} has no training rows", param_hint="--data")
     ensure_features(loaded, rows, features_dir, layers)
     sequences = load_sequences(rows, features_dir)
-    config = DrafterConfig.for_target(loaded.name, loaded.config, layers, kind=kind,
-                                      head=head or ("markov" if kind == "dspark" else "none"),
-                                      confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
-                                      num_layers=1 if kind in ("eagle3", "mtp1") else num_layers,
-                                      draft_vocab_size=draft_vocab)
+    config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
+                                draft_vocab=draft_vocab)
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
                                learning_rate=lr, seed=seed, slot_decay=slot_decay)
-    drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at)
+    drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
     if export_dir:
         import torch

@@ -95,10 +95,13 @@ def _gpu_and_tensorrt() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need an NVIDIA GPU and TensorRT; skip them (with the reason) elsewhere."""
-    if _gpu_and_tensorrt():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and TensorRT (run ci/gpu.sh on a GPU machine)")
+    """Tests marked `gpu` need an NVIDIA GPU and TensorRT, tests marked `cuda` a GPU that PyTorch
+    sees; skip them (with the reason) elsewhere."""
+    no_tensorrt = pytest.mark.skip(reason="needs an NVIDIA GPU and TensorRT (run ci/gpu.sh on a GPU machine)")
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU visible to PyTorch")
+    gpu_and_tensorrt, cuda = _gpu_and_tensorrt(), torch.cuda.is_available()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpu_and_tensorrt:
+            item.add_marker(no_tensorrt)
+        if "cuda" in item.keywords and not cuda:
+            item.add_marker(no_cuda)

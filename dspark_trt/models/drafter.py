@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[..., 1, head_dim]` for integer positions `[...]` (rotate-half convention)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = positions.float()[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)
     return angles.cos(), angles.sin()
@@ -281,5 +281,5 @@ class DSparkDrafter(DrafterBase):
         """Confidence logits `[..., gamma]` -> probabilities, with STS temperatures when calibrated."""
         temperatures = self.config.confidence_temperatures
         if temperatures:
-            logits = logits / torch.tensor(temperatures[: logits.shape[-1]], dtype=logits.dtype)
+            logits = logits / torch.tensor(temperatures[: logits.shape[-1]], dtype=logits.dtype, device=logits.device)
         return torch.sigmoid(logits)

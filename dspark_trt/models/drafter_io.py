@@ -41,7 +41,8 @@ def save_drafter(drafter: DrafterBase, folder: Path, dtype: torch.dtype = torch.
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         drafter.config.save(staging)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in drafter.state_dict().items()}
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+             for k, v in drafter.state_dict().items()}
         save_file(state, staging / "model.safetensors")
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)

@@ -56,9 +56,9 @@ class EagleDrafter(DrafterBase):
     def next_feature(self, output: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(output)
 
-    def empty_kv(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def empty_kv(self, batch: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch, self.config.num_kv_heads, 0, self.config.head_dim)
-        return torch.zeros(shape), torch.zeros(shape)
+        return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
 
     def training_time_test(self, tokens: torch.Tensor, fused: torch.Tensor, anchors: torch.Tensor,
                            num_steps: int) -> torch.Tensor:
@@ -66,9 +66,10 @@ class EagleDrafter(DrafterBase):
         anchors `[S, A]` -> logits `[S, A, num_steps, V_d]`; step j's logits predict x_{a+j}."""
         S, T = tokens.shape
         A = anchors.shape[1]
-        positions = torch.arange(T).expand(S, T)
-        causal = torch.ones(T, T, dtype=torch.bool).tril().expand(S, T, T)
-        empty_k, empty_v = self.empty_kv(S)
+        device = tokens.device
+        positions = torch.arange(T, device=device).expand(S, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(S, T, T)
+        empty_k, empty_v = self.empty_kv(S, device)
         out, (keys, values) = self.step(self.inputs(tokens, self.shifted_features(fused)), positions,
                                         empty_k, empty_v, causal)  # step 1 everywhere: [S, T, d]
         gather = anchors[..., None].expand(S, A, out.shape[-1])
@@ -78,14 +79,14 @@ class EagleDrafter(DrafterBase):
         flat_anchor = anchors.reshape(S * A)
         context_k = keys[:, None].expand(S, A, *keys.shape[1:]).reshape(S * A, *keys.shape[1:])
         context_v = values[:, None].expand(S, A, *values.shape[1:]).reshape(S * A, *values.shape[1:])
-        visible_context = torch.arange(T)[None] <= flat_anchor[:, None]  # [S*A, T]
-        chain_k, chain_v = self.empty_kv(S * A)
+        visible_context = torch.arange(T, device=device)[None] <= flat_anchor[:, None]  # [S*A, T]
+        chain_k, chain_v = self.empty_kv(S * A, device)
         previous = previous.reshape(S * A, 1, -1)
         for j in range(2, num_steps + 1):
             position = (flat_anchor + j - 1).clamp(max=T - 1)
             token = tokens.repeat_interleave(A, dim=0).gather(1, position[:, None])  # teacher-forced x_{a+j-1}
             x = self.inputs(token, self.next_feature(previous))
-            mask = torch.cat([visible_context, torch.ones(S * A, j - 1, dtype=torch.bool)], dim=1)[:, None]
+            mask = torch.cat([visible_context, torch.ones(S * A, j - 1, dtype=torch.bool, device=device)], dim=1)[:, None]
             previous, (k, v) = self.step(x, position[:, None], torch.cat([context_k, chain_k], 2),
                                          torch.cat([context_v, chain_v], 2), mask)
             chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)

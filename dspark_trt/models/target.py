@@ -80,7 +80,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     q = q.reshape(kv_heads, group * n, head_dim)  # heads sharing a kv head are stacked
     scores = (q @ keys.transpose(1, 2)) * (head_dim ** -0.5)  # [kv_heads, group * n, total]
     if n > 1:  # new token i (position past + i) sees keys 0 .. past + i
-        visible = torch.arange(total) <= (past + torch.arange(n))[:, None]  # [n, total]
+        visible = torch.arange(total, device=q.device) <= (past + torch.arange(n, device=q.device))[:, None]  # [n, total]
         scores = scores.view(kv_heads, group, n, total).masked_fill(~visible, float("-inf")).view_as(scores)
     out = scores.softmax(-1) @ values  # [kv_heads, group * n, head_dim]
     return out.view(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim)
@@ -117,6 +117,7 @@ class AttentionPlan:
             starts.append(starts[-1] + count)
         self.positions = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, num_new_tokens)])
         self.slot_index = torch.cat([torch.full((n,), c.slot) for c, n in zip(caches, num_new_tokens)])
+        self.max_position = max(c.length + n for c, n in zip(caches, num_new_tokens)) - 1
 
         feeds = list(zip(starts, num_new_tokens, caches))
         short = [(start, count, cache) for start, count, cache in feeds if count <= MAX_BATCHED_FEED]
@@ -142,6 +143,16 @@ class AttentionPlan:
             # queries and idle slots see at least key 0, so no softmax row is empty.
             keys = torch.arange(self.max_keys)
             self.visible = keys <= (past[:, None] + torch.arange(self.max_feed))[:, :, None]  # [slots, feed, keys]
+        self._to_device(self.pool.keys.device)
+
+    def _to_device(self, device: torch.device) -> None:
+        """The plan is built on the CPU (small index tensors); a GPU pool needs them beside it."""
+        if device.type == "cpu":
+            return
+        for name in ("positions", "slot_index", "short_rows", "query_slot", "query_step", "visible"):
+            value = getattr(self, name, None)
+            if value is not None:
+                setattr(self, name, value.to(device, non_blocking=True))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v `[tokens, kv_heads, head_dim]` and attend q `[tokens, heads, head_dim]`."""
@@ -234,12 +245,14 @@ class TargetModel(nn.Module):
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         """KV memory for `num_slots` concurrent requests of up to `slot_capacity` tokens each."""
         c = self.config
-        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, slot_capacity, dtype=self.embed.dtype)
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, slot_capacity, dtype=self.embed.dtype,
+                      device=self.embed.device)
 
     def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope_cos.shape[0] <= max_position:
+        if self._rope_cos.shape[0] <= max_position or self._rope_cos.device != self.inv_freq.device:
             size = max(2 * max_position, 1024)
-            angles = torch.outer(torch.arange(size, dtype=torch.float32), self.inv_freq)  # [size, head_dim/2]
+            angles = torch.outer(torch.arange(size, dtype=torch.float32, device=self.inv_freq.device),
+                                 self.inv_freq)  # [size, head_dim/2]
             angles = torch.cat((angles, angles), dim=-1)
             self._rope_cos = angles.cos().to(self.embed.dtype)
             self._rope_sin = angles.sin().to(self.embed.dtype)
@@ -265,10 +278,13 @@ class TargetModel(nn.Module):
             raise ValueError("num_new_tokens must give one count per cache and sum to len(token_ids)")
         plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant)
         positions = plan.positions
-        cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
+        cos_table, sin_table = self._rope_tables(plan.max_position + 1)
         cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [tokens, 1, head_dim]
 
-        x = self.embed[token_ids]  # [total_tokens, hidden]
+        device = self.embed.device
+        x = self.embed[token_ids.to(device)]  # [total_tokens, hidden]
+        if logits_indices is not None:
+            logits_indices = logits_indices.to(device)
         features = []
         wanted = set(feature_layers)
         with one_row_at_a_time() if batch_invariant else nullcontext():

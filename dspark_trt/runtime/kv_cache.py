@@ -27,10 +27,10 @@ class KVPoolFull(RuntimeError):
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, slot_capacity: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         shape = (num_layers, num_slots, num_kv_heads, slot_capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.slot_capacity = slot_capacity
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.in_use: set[int] = set()

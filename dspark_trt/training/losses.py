@@ -50,7 +50,7 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
         return drafter.training_time_test(batch.tokens, fused, batch.block_positions[:, ::G], G), None
     context = drafter.fuse_features(batch.context_features)  # [S, C, d]
     C = context.shape[1]
-    context_kv = drafter.context_keys_values(context, torch.arange(C).expand(S, C))
+    context_kv = drafter.context_keys_values(context, torch.arange(C, device=context.device).expand(S, C))
     block = drafter.block_inputs(batch.anchor_tokens, (S, A)).reshape(S, A * G, -1)
     hidden = drafter.backbone(block, batch.block_positions, context_kv, batch.mask).view(S, A, G, -1)
     logits = drafter.backbone_logits(hidden)
@@ -86,10 +86,10 @@ def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Te
     in_vocab = (label_ids < logits.shape[-1]) & batch.valid
     ce_all = -log_p_draft.gather(-1, label_ids.clamp(max=logits.shape[-1] - 1)[..., None]).squeeze(-1)
     ce = (ce_all * in_vocab).sum() / in_vocab.sum().clamp(min=1)
-    l1_term = (l1 * slot_weights(logits.shape[2], slot_decay) * valid).sum() / num_blocks
+    l1_term = (l1 * slot_weights(logits.shape[2], slot_decay).to(l1.device) * valid).sum() / num_blocks
 
     soft_label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
-    bce = torch.zeros(())
+    bce = torch.zeros((), device=logits.device)
     if confidence is not None:
         bce = (F.binary_cross_entropy_with_logits(confidence, soft_label, reduction="none") * valid).sum() / num_slots
 

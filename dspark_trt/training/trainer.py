@@ -20,6 +20,7 @@ import random
 import time
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +48,18 @@ class TrainConfig:
     log_every: int = 20
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
     slot_decay: float = SLOT_DECAY  # L1 weight of slot k: exp(-(k-1)/slot_decay)
+
+
+def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[int, ...], head: str | None = None,
+                       block_size: int = 7, num_layers: int = 2, draft_vocab: int = 8192) -> DrafterConfig:
+    """The drafter `dspark-trt train --kind KIND` builds: DSpark (Markov head and confidence head by
+    default), DFlash (the same backbone, no heads), EAGLE-3-style and MTP-1 (one layer; MTP-1
+    drafts one token)."""
+    return DrafterConfig.for_target(target.name, target.config, feature_layers, kind=kind,
+                                    head=head or ("markov" if kind == "dspark" else "none"),
+                                    confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
+                                    num_layers=1 if kind in ("eagle3", "mtp1") else num_layers,
+                                    draft_vocab_size=draft_vocab)
 
 
 def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
@@ -92,25 +105,40 @@ def _warn_on_recipe_change(saved: dict, config: TrainConfig) -> None:
         warnings.warn("resuming with a different training recipe: " + ", ".join(changed), stacklevel=3)
 
 
+def device_description(device: torch.device) -> str:
+    """What the model card says the drafter was trained on."""
+    if device.type == "cuda":
+        return f"one {torch.cuda.get_device_name(device)} GPU"
+    return "this machine's CPU"
+
+
 def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_config: DrafterConfig,
                   draft_vocab: torch.Tensor, config: TrainConfig, run_dir: Path,
-                  progress: bool = True, stop_at: int | None = None) -> DrafterBase:
+                  progress: bool = True, stop_at: int | None = None,
+                  device: torch.device | str = "cpu") -> DrafterBase:
     """Train (or resume) until `config.steps`, or until step `stop_at` when given (the schedule
-    still spans `config.steps`, so a later call continues exactly where this one stopped)."""
+    still spans `config.steps`, so a later call continues exactly where this one stopped).
+
+    `device`: where the drafter trains; the target's weights are moved there too (the drafter
+    borrows its embedding and LM head). Batches are gathered on the CPU one step ahead, in a
+    worker thread, so the GPU does not wait for them."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "training_state.pt"
+    device = torch.device(device)
     torch.manual_seed(config.seed)
+    target.model.to(device)
     drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
     if config.init_from_target:
         drafter.init_layers_from_target(target.model)
+    drafter.to(device)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
                                   weight_decay=0.0)
     start_step, elapsed = 0, 0.0
     generator = torch.Generator().manual_seed(config.seed)
     rng = random.Random(config.seed)
     if state_path.is_file():  # resume
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         start_step, elapsed = state["step"], state["elapsed"]
@@ -119,24 +147,36 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         rng.setstate(state["rng"])
     final_norm, eps = target.model.final_norm.detach(), target.config.rms_norm_eps
 
-    def checkpoint(step: int):
+    def next_batch():
+        """The next step's batch, and the sampler states after it (what a resumed run starts from)."""
+        chosen = rng.sample(sequences, min(config.sequences_per_batch, len(sequences)))
+        batch = make_batch(chosen, config.anchors_per_sequence, drafter_config.block_size,
+                           len(drafter_config.feature_layers), drafter_config.hidden_size, generator)
+        return batch.to(device), rng.getstate(), generator.get_state()
+
+    def checkpoint(step: int, sampler_state: tuple):
+        rng_state, generator_state = sampler_state
         torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "elapsed": elapsed, "generator": generator.get_state(), "rng": rng.getstate(),
-                    "train_config": asdict(config)}, state_path.with_suffix(".tmp"))
+                    "elapsed": elapsed, "generator": generator_state, "rng": rng_state,
+                    "train_config": asdict(config), "device": device_description(device)},
+                   state_path.with_suffix(".tmp"))
         state_path.with_suffix(".tmp").replace(state_path)
         save_drafter(drafter, run_dir / "drafter")
 
     drafter.train()
     bar = tqdm(total=config.steps, initial=start_step, desc=f"train {drafter_config.kind}", unit="step",
                disable=not progress)
-    with open(run_dir / "train_log.jsonl", "a") as log:
-        for step in range(start_step, min(config.steps, stop_at or config.steps)):
+    end_step = min(config.steps, stop_at or config.steps)
+    with open(run_dir / "train_log.jsonl", "a") as log, ThreadPoolExecutor(max_workers=1) as prefetcher:
+        # One batch in flight: the worker gathers step k+1's while step k trains. Calls run one
+        # after another, so the samplers advance exactly as without the worker.
+        pending = prefetcher.submit(next_batch) if start_step < end_step else None
+        for step in range(start_step, end_step):
             began = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, config)
-            batch = make_batch(rng.sample(sequences, min(config.sequences_per_batch, len(sequences))),
-                               config.anchors_per_sequence, drafter_config.block_size,
-                               len(drafter_config.feature_layers), drafter_config.hidden_size, generator)
+            batch, *sampler_state = pending.result()
+            pending = prefetcher.submit(next_batch) if step + 1 < end_step else None
             terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay)
             optimizer.zero_grad(set_to_none=True)
             terms.total.backward()
@@ -152,7 +192,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
                                       "elapsed_s": elapsed}) + "\n")
                 log.flush()
             if (step + 1) % config.checkpoint_every == 0 or step + 1 in (config.steps, stop_at):
-                checkpoint(step + 1)
+                checkpoint(step + 1, sampler_state)
     bar.close()
     return drafter.eval()
 
@@ -160,13 +200,14 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
 def model_card(drafter: DrafterBase, data_path: Path, sequences: list[Sequence], config: TrainConfig,
                run_dir: Path) -> str:
     """A short markdown card: what the drafter is, what it was trained on, for how long."""
-    state = torch.load(Path(run_dir) / "training_state.pt", weights_only=False)
+    state = torch.load(Path(run_dir) / "training_state.pt", map_location="cpu", weights_only=False)
     log = [json.loads(line) for line in (Path(run_dir) / "train_log.jsonl").read_text().splitlines()]
     last = log[-1] if log else {}
     c = drafter.config
     num_params = sum(p.numel() for p in drafter.parameters())
     response_tokens = sum(s.token_ids.numel() - s.prompt_length for s in sequences)
     acceptance = ", ".join(f"{a:.2f}" for a in last.get("acceptance_per_position", []))
+    schedule = f" (of a {config.steps}-step schedule, stopped early)" if state["step"] < config.steps else ""
     return f"""# {c.kind} drafter for {c.target_name}
 
 - kind: `{c.kind}`, sequential head: `{c.head}`, confidence head: {c.confidence}, block size {c.block_size},
@@ -174,10 +215,10 @@ def model_card(drafter: DrafterBase, data_path: Path, sequences: list[Sequence],
   target feature layers {list(c.feature_layers)}; {num_params / 1e6:.1f}M trained parameters (fp16 here).
 - data: `{data_path}`: {len(sequences)} training sequences ({response_tokens} response tokens)
   regenerated by the target itself; 5% of rows (by id) held out for calibration.
-- training: {state["step"]} steps of {config.sequences_per_batch} sequences x {config.anchors_per_sequence} anchors,
+- training: {state["step"]} steps{schedule} of {config.sequences_per_batch} sequences x {config.anchors_per_sequence} anchors,
   AdamW lr {config.learning_rate} (warm-up {config.warmup_fraction:.0%}, cosine), clip {config.grad_clip},
   slot loss weights exp(-(k-1)/{config.slot_decay:g}),
-  {state["elapsed"] / 60:.1f} min on this machine's CPU.
+  {state["elapsed"] / 60:.1f} min on {state.get("device", "this machine's CPU")}.
 - last logged loss {last.get("loss", float("nan")):.3f}; teacher-forced acceptance per position: {acceptance}.
 - calibration (STS temperatures): {c.confidence_temperatures or "not calibrated"}.
 """

@@ -1,0 +1,184 @@
+"""Train the four drafters (DSpark, DFlash, EAGLE-3-style, MTP-1) on one GPU, same data, same steps.
+
+    python benchmarks/experiments/train_on_gpu.py --data data/train/smollm2-135m-instruct.jsonl \
+        --features-dir /tmp/features --runs /tmp/runs --export-dir /tmp/export --wall-seconds 480
+
+What it does, in order:
+1. computes the target features of every training row on the GPU (`ensure_features`), and, when
+   `--reference` names an .npz of per-row target normalisers computed elsewhere (on the CPU),
+   checks that the GPU agrees with it, so a wrong target is caught before minutes of training;
+2. times 10 training steps of each kind alone, and picks one step count for all four that fits
+   what is left of `--wall-seconds` when they train side by side (`--overlap`: how much faster
+   four processes sharing the GPU are than the same steps run one after another; 1.0 assumes
+   no gain);
+3. runs `dspark-trt train --device cuda --export ...` for the four kinds at once and waits. A run
+   still going near the end of `--wall-seconds` is stopped and exported from its last checkpoint
+   (its model card then shows fewer steps), so a slow guess never loses the rest;
+4. writes `summary.json` (feature time, probe times, chosen steps, each run's steps and minutes).
+
+It does not calibrate (do that where the held-out features are: `dspark-trt calibrate`) or
+evaluate. Works on the CPU too (`--device cpu`, for a dry run with `--limit-rows`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KINDS = ("dspark", "dflash", "eagle3", "mtp1")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("data/train/smollm2-135m-instruct.jsonl"))
+    parser.add_argument("--features-dir", type=Path, required=True)
+    parser.add_argument("--runs", type=Path, required=True, help="one run folder per kind is made here")
+    parser.add_argument("--export-dir", type=Path, required=True, help="fp16 drafters + model cards, one per kind")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--wall-seconds", type=float, default=480.0, help="this script's whole wall-clock budget")
+    parser.add_argument("--overlap", type=float, default=1.4)
+    parser.add_argument("--startup-seconds", type=float, default=60.0,
+                        help="what a training process takes to load the target and features")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    parser.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-steps", type=int, default=20000)
+    parser.add_argument("--limit-rows", type=int, default=0, help="dry runs: use only this many rows")
+    parser.add_argument("--reference", type=Path, default=None, help=".npz: row id -> target logsumexp")
+    parser.add_argument("--summary", type=Path, default=None, help="default: RUNS/summary.json")
+    args = parser.parse_args()
+    wall_deadline = time.monotonic() + args.wall_seconds
+    export_seconds = 45.0  # a stopped run's export from its checkpoint (they run side by side)
+
+    import dspark_trt  # noqa: F401  (thread policy before torch)
+    import numpy as np
+    import torch
+
+    from dspark_trt.models.features import default_feature_layers
+    from dspark_trt.models.loading import load_target
+    from dspark_trt.training.data import ensure_features, load_sequences, read_rows
+    from dspark_trt.training.datagen import feature_file
+    from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, drafter_config_for, is_held_out, \
+        train_drafter
+
+    summary: dict = {"device": args.device, "batch_size": args.batch_size, "anchors": args.anchors, "lr": args.lr}
+    summary_path = args.summary or args.runs / "summary.json"
+    args.runs.mkdir(parents=True, exist_ok=True)
+
+    def save_summary():
+        summary_path.write_text(json.dumps(summary, indent=2))
+
+    target = load_target("default")
+    target.model.to(args.device)
+    layers = default_feature_layers(target.config.num_layers)
+    rows = [r for r in read_rows(args.data) if not is_held_out(r["id"])]
+    data_path = args.data
+    if args.limit_rows:
+        rows = rows[: args.limit_rows]
+        data_path = args.runs / "rows.jsonl"  # the subprocesses read exactly these rows
+        data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    began = time.perf_counter()
+    ensure_features(target, rows, args.features_dir, layers)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    summary["feature_seconds"] = round(time.perf_counter() - began, 1)
+    summary["num_rows"] = len(rows)
+    print(f"features of {len(rows)} rows: {summary['feature_seconds']} s", flush=True)
+
+    if args.reference:  # the GPU's target must be the CPU's target
+        reference = np.load(args.reference)
+        worst = 0.0
+        for row_id in reference.files:
+            if any(r["id"] == row_id for r in rows):
+                here = np.load(feature_file(args.features_dir, row_id))["logsumexp"]
+                worst = max(worst, float(np.abs(here - reference[row_id]).max()))
+        summary["reference_max_abs_diff"] = worst
+        print(f"target normalisers vs reference: max |diff| {worst:.2e}", flush=True)
+        save_summary()
+        if worst > 1e-2:
+            print("the target here disagrees with the reference: stopping", file=sys.stderr)
+            return 1
+
+    # Probe: 10 steps of each kind alone, after 3 warm-up steps.
+    sequences = load_sequences(rows, args.features_dir)
+    vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
+    probe = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for kind in KINDS:
+            config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
+                                 anchors_per_sequence=args.anchors, learning_rate=args.lr)
+            run = Path(scratch) / kind
+            drafter_config = drafter_config_for(kind, target, layers)
+            train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=3,
+                          device=args.device)
+            warm = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
+            train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=13,
+                          device=args.device)
+            done = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
+            probe[kind] = (done - warm) / 10
+            print(f"probe {kind}: {probe[kind] * 1000:.0f} ms/step", flush=True)
+    # Hand the GPU to the four runs: this process's cached blocks (~70 GB after the probes) made
+    # the EAGLE-3-style run fail for want of memory on the first try.
+    del sequences
+    target.model.to("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    summary["probe_seconds_per_step"] = probe
+    train_seconds = wall_deadline - time.monotonic() - args.startup_seconds - export_seconds
+    summary["train_seconds_planned"] = round(train_seconds, 1)
+    steps = int(train_seconds * args.overlap / sum(probe.values()))
+    steps = max(50, min(args.max_steps, steps // 50 * 50))
+    summary["steps"] = steps
+    save_summary()
+    print(f"training all four for {steps} steps", flush=True)
+
+    # All four at once; each is a plain `dspark-trt train` run.
+    deadline = wall_deadline - export_seconds
+    processes = {}
+    for kind in KINDS:
+        command = [sys.executable, "-m", "dspark_trt.cli", "train", "--data", str(data_path),
+                   "--features-dir", str(args.features_dir), "--output", str(args.runs / kind), "--kind", kind,
+                   "--steps", str(steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
+                   "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / kind)]
+        log = open(args.runs / f"{kind}.log", "w")
+        processes[kind] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
+    began = time.perf_counter()
+    for kind, (process, command, log) in processes.items():
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+    exports = []  # stopped runs: export what their last checkpoint holds, side by side
+    for kind, (process, command, _) in processes.items():
+        state_path = args.runs / kind / "training_state.pt"
+        if process.returncode != 0 and state_path.is_file():
+            step = torch.load(state_path, map_location="cpu", weights_only=False)["step"]
+            log = open(args.runs / f"{kind}.log", "a")
+            exports.append((subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
+                                             stderr=subprocess.STDOUT), log))
+    for process, log in exports:
+        process.wait()
+        log.close()
+    runs = {}
+    for kind, (process, _, _) in processes.items():
+        state_path = args.runs / kind / "training_state.pt"
+        state = torch.load(state_path, map_location="cpu", weights_only=False) if state_path.is_file() else {}
+        runs[kind] = {"returncode": process.returncode, "steps": state.get("step", 0),
+                      "train_minutes": round(state.get("elapsed", 0.0) / 60, 2),
+                      "exported": (args.export_dir / kind / "model.safetensors").is_file()}
+        print(f"{kind}: {runs[kind]}", flush=True)
+    summary["runs"] = runs
+    summary["training_wall_seconds"] = round(time.perf_counter() - began, 1)
+    save_summary()
+    return 0 if all(r["exported"] for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
