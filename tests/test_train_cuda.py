@@ -4,7 +4,7 @@ without a GPU that PyTorch sees; TensorRT is not needed)."""
 import json
 
 import pytest
-import torch
+from tiny_drafters import FEATURE_LAYERS
 
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter
@@ -13,8 +13,6 @@ from dspark_trt.training.data import ensure_features, load_sequences, read_rows
 from dspark_trt.training.datagen import DatagenConfig, generate_dataset
 from dspark_trt.training.prompts import load_prompts
 from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, train_drafter
-
-from tiny_drafters import FEATURE_LAYERS
 
 pytestmark = pytest.mark.cuda
 

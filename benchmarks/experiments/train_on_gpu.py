@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
@@ -55,16 +56,21 @@ def main() -> int:
     wall_deadline = time.monotonic() + args.wall_seconds
     export_seconds = 45.0  # a stopped run's export from its checkpoint (they run side by side)
 
-    import dspark_trt  # noqa: F401  (thread policy before torch)
     import numpy as np
     import torch
 
+    import dspark_trt  # noqa: F401  (thread policy before torch)
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import ensure_features, load_sequences, read_rows
     from dspark_trt.training.datagen import feature_file
-    from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, drafter_config_for, is_held_out, \
-        train_drafter
+    from dspark_trt.training.trainer import (
+        TrainConfig,
+        build_draft_vocab,
+        drafter_config_for,
+        is_held_out,
+        train_drafter,
+    )
 
     summary: dict = {"device": args.device, "batch_size": args.batch_size, "anchors": args.anchors, "lr": args.lr}
     summary_path = args.summary or args.runs / "summary.json"
@@ -139,33 +145,31 @@ def main() -> int:
 
     # All four at once; each is a plain `dspark-trt train` run.
     deadline = wall_deadline - export_seconds
-    processes = {}
-    for kind in KINDS:
-        command = [sys.executable, "-m", "dspark_trt.cli", "train", "--data", str(data_path),
-                   "--features-dir", str(args.features_dir), "--output", str(args.runs / kind), "--kind", kind,
-                   "--steps", str(steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
-                   "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / kind)]
-        log = open(args.runs / f"{kind}.log", "w")
-        processes[kind] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
     began = time.perf_counter()
-    for kind, (process, command, log) in processes.items():
-        try:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with ExitStack() as logs:
+        processes = {}
+        for kind in KINDS:
+            command = [sys.executable, "-m", "dspark_trt.cli", "train", "--data", str(data_path),
+                       "--features-dir", str(args.features_dir), "--output", str(args.runs / kind), "--kind", kind,
+                       "--steps", str(steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
+                       "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / kind)]
+            log = logs.enter_context(open(args.runs / f"{kind}.log", "w"))
+            processes[kind] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
+        for process, _, _ in processes.values():
+            try:
+                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        exports = []  # stopped runs: export what their last checkpoint holds, side by side
+        for kind, (process, command, log) in processes.items():
+            state_path = args.runs / kind / "training_state.pt"
+            if process.returncode != 0 and state_path.is_file():
+                step = torch.load(state_path, map_location="cpu", weights_only=False)["step"]
+                exports.append(subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
+                                                stderr=subprocess.STDOUT))
+        for process in exports:
             process.wait()
-        log.close()
-    exports = []  # stopped runs: export what their last checkpoint holds, side by side
-    for kind, (process, command, _) in processes.items():
-        state_path = args.runs / kind / "training_state.pt"
-        if process.returncode != 0 and state_path.is_file():
-            step = torch.load(state_path, map_location="cpu", weights_only=False)["step"]
-            log = open(args.runs / f"{kind}.log", "a")
-            exports.append((subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
-                                             stderr=subprocess.STDOUT), log))
-    for process, log in exports:
-        process.wait()
-        log.close()
     runs = {}
     for kind, (process, _, _) in processes.items():
         state_path = args.runs / kind / "training_state.pt"

@@ -93,7 +93,7 @@ class Batch:
     valid: torch.Tensor  # [S, A, gamma] slot is supervised (real anchor, inside the sequence)
     tokens: torch.Tensor  # [S, C + 1] every sequence's tokens, padded (autoregressive drafters read them)
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         return Batch(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
 
