@@ -56,10 +56,12 @@ def main() -> int:
     wall_deadline = time.monotonic() + args.wall_seconds
     export_seconds = 45.0  # a stopped run's export from its checkpoint (they run side by side)
 
+    import dspark_trt  # noqa: F401  (first: it sets torch's thread policy, runtime/threads.py)
+
+    # isort: split
     import numpy as np
     import torch
 
-    import dspark_trt  # noqa: F401  (thread policy before torch)
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import ensure_features, load_sequences, read_rows

@@ -42,7 +42,7 @@ def save_drafter(drafter: DrafterBase, folder: Path, dtype: torch.dtype = torch.
     try:
         drafter.config.save(staging)
         state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-             for k, v in drafter.state_dict().items()}
+                 for k, v in drafter.state_dict().items()}
         save_file(state, staging / "model.safetensors")
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text)

@@ -36,9 +36,9 @@ class LossTerms:
     acceptance_per_position: list[float]  # mean c*_k per slot: teacher-forced acceptance rate
 
 
-def slot_weights(block_size: int, decay: float = SLOT_DECAY) -> torch.Tensor:
+def slot_weights(block_size: int, decay: float = SLOT_DECAY, device: torch.device | str = "cpu") -> torch.Tensor:
     """w_k = exp(-(k-1)/decay), k = 1..gamma: a smaller decay puts more of the loss on early slots."""
-    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / decay)
 
 
 def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,7 +86,7 @@ def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Te
     in_vocab = (label_ids < logits.shape[-1]) & batch.valid
     ce_all = -log_p_draft.gather(-1, label_ids.clamp(max=logits.shape[-1] - 1)[..., None]).squeeze(-1)
     ce = (ce_all * in_vocab).sum() / in_vocab.sum().clamp(min=1)
-    l1_term = (l1 * slot_weights(logits.shape[2], slot_decay).to(l1.device) * valid).sum() / num_blocks
+    l1_term = (l1 * slot_weights(logits.shape[2], slot_decay, l1.device) * valid).sum() / num_blocks
 
     soft_label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
     bce = torch.zeros((), device=logits.device)
