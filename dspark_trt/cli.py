@@ -75,6 +75,23 @@ def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, see
 DEFAULT_DATAGEN_MIX = ("gsm8k-train:730", "t0:700", "self-instruct", "code-stdlib")
 
 
+def parse_device(name: str):
+    """`--device` -> a torch device; asking for a GPU that is not there is an error, not a silent CPU run."""
+    from dspark_trt.errors import InvalidRequestError
+    from dspark_trt.runtime.device import resolve_device
+
+    try:
+        return resolve_device(name)
+    except InvalidRequestError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from None
+
+
+def device_option(what: str):
+    """The `--device` option, saying what runs there."""
+    return click.option("--device", default="auto", show_default=True,
+                        help=f"Where {what}: cpu, cuda, cuda:N, or auto (cuda when a GPU is visible).")
+
+
 def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
     name, _, limit = spec.rpartition(":") if ":" in spec and spec.rsplit(":", 1)[1].isdigit() else (spec, "", "")
     return name, int(limit) if limit else None
@@ -95,8 +112,9 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
               help="Also save the target features of every row here (saves a second target pass in training).")
 @click.option("--feature-layers", default=None,
               help="Comma-separated target layers to save with --features-dir (default: 4 spread over [1, L-3]).")
+@device_option("the target generates (sampling and the written rows stay on the CPU)")
 def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, temperatures, batch_size, seed,
-            features_dir, feature_layers):
+            features_dir, feature_layers, device):
     """Regenerate responses to training prompts with the target itself (self-distillation data)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
@@ -106,8 +124,10 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     temps = tuple(parse_floats(temperatures, "--temperatures"))
     if any(t < 0 for t in temps) or not temps:
         raise click.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
+    device = parse_device(device)
     prompts = interleave([load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs])
     loaded = load_target(target)
+    loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
     if any(not 0 <= layer < loaded.config.num_layers for layer in layers):
@@ -116,25 +136,6 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
                            feature_layers=layers)
     added = generate_dataset(loaded, prompts, output, config, features_dir, max_prompt_tokens)
     click.echo(f"wrote {added} new rows to {output} ({len(prompts)} prompts in all)")
-
-
-def training_device(name: str):
-    """`--device` -> a torch device; asking for a GPU that is not there is an error, not a silent CPU run."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise click.BadParameter(f"{name!r} is not a device (cpu, cuda, cuda:N or auto)", param_hint="--device") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise click.BadParameter("no CUDA GPU is visible to PyTorch here (use --device cpu)", param_hint="--device")
-    if device.type not in ("cpu", "cuda"):
-        raise click.BadParameter(f"{name!r}: only cpu and cuda are supported", param_hint="--device")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise click.BadParameter(f"{name!r}: only {torch.cuda.device_count()} GPU(s) visible", param_hint="--device")
-    return device
 
 
 @main.command()
@@ -164,9 +165,7 @@ def training_device(name: str):
               help="Loss weight of draft slot k is exp(-(k-1)/DECAY): smaller puts more weight on early slots.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the final drafter here in fp16 with a model card (what gets committed).")
-@click.option("--device", default="auto", show_default=True,
-              help="Where to train and compute missing features: cpu, cuda, cuda:N, or auto (cuda when a GPU "
-                   "is visible).")
+@device_option("to train and compute missing features")
 def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
           steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
@@ -175,7 +174,7 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     from dspark_trt.training.data import ensure_features, load_sequences, read_rows
     from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, drafter_config_for, is_held_out, train_drafter
 
-    device = training_device(device)
+    device = parse_device(device)
     loaded = load_target(target)
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
@@ -263,20 +262,22 @@ def calibrate(drafter_path, data_path, features_dir, target):
                    "measured at start-up).")
 @click.option("--no-plain", is_flag=True, help="Skip the plain-decoding comparison run.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the JSON here.")
+@device_option("the target runs (the drafter runs on the CPU, as beside a TensorRT engine)")
 def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, max_tokens, seed, batch_size, policy,
-                     no_plain, output):
+                     no_plain, output, device):
     """Measure acceptance length (tau), per-position acceptance and speed-up on a dataset."""
     from dspark_trt import LLM, SamplingParams
     from dspark_trt.training.evaluate import evaluate
     from dspark_trt.training.prompts import load_prompts
 
     base = SamplingParams(max_tokens=max_tokens, temperature=temperature)  # validates before loading models
-    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1), policy=policy)
+    device = parse_device(device)
+    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1), policy=policy, device=device)
     prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, num_prompts)]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, seed=seed + i)
               for i in range(len(prompts))]
     result = {"dataset": dataset, "drafter": str(drafter_spec), "drafter_kind": llm.engine.proposer.drafter.config.kind,
-              "target": llm.target.name, "policy": policy, "temperature": temperature, "max_tokens": max_tokens,
+              "target": llm.target.name, "device": str(device), "policy": policy, "temperature": temperature, "max_tokens": max_tokens,
               "seed": seed,
               **evaluate(llm, prompts, params, batch_size, compare_plain=not no_plain)}
     text = json.dumps(result, indent=2)

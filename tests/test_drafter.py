@@ -392,13 +392,18 @@ def test_cli_eval_writes_the_documented_json(tiny_llama, target, tmp_path):
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "fixed:K" in bad.stderr
 
 
+@pytest.mark.parametrize("command", ["train", "datagen", "eval"])
 @pytest.mark.parametrize("device, message", [("cuda:99", "GPU"), ("tpu", "not a device"), ("meta", "only cpu and cuda")])
-def test_train_refuses_a_device_it_cannot_use(tmp_path, device, message):
+def test_commands_refuse_a_device_they_cannot_use(tmp_path, command, device, message):
     from click.testing import CliRunner
 
     from dspark_trt.cli import main
 
-    result = CliRunner().invoke(main, ["train", "--data", str(tmp_path / "rows.jsonl"), "--features-dir",
-                                       str(tmp_path / "features"), "--output", str(tmp_path / "run"), "--device", device])
+    args = {"train": ["--data", str(tmp_path / "rows.jsonl"), "--features-dir", str(tmp_path / "features"),
+                      "--output", str(tmp_path / "run")],
+            "datagen": ["--output", str(tmp_path / "run" / "rows.jsonl")],
+            "eval": ["--output", str(tmp_path / "run" / "eval.json")]}[command]
+    result = CliRunner().invoke(main, [command, *args, "--device", device])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
-    assert not (tmp_path / "run").exists()
+    assert "--device" in result.output
+    assert not (tmp_path / "run").exists()  # refused before anything was loaded or written

@@ -172,3 +172,22 @@ def test_default_target_with_default_drafter_is_lossless():
     b = plain.chat(prompt, params)[0]
     assert a.token_ids == b.token_ids
     assert a.metrics["num_draft_tokens"] > 0 and a.metrics["num_steps"] < b.metrics["num_steps"] + 1
+
+
+@pytest.mark.parametrize("device, message", [("cuda:99", "GPU"), ("tpu", "not a device"), ("meta", "only cpu and cuda")])
+def test_llm_refuses_a_device_it_cannot_use(tiny_llama, device, message):
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        LLM(target=tiny_llama, device=device)
+    assert caught.value.param == "device"
+
+
+def test_llm_on_the_cpu_device_is_the_default(llm, tiny_llama):
+    """`device="cpu"` (and `auto` on a machine without a GPU) gives what the default gives."""
+    import torch
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = llm.generate(["Once upon a time"], params)[0].token_ids
+    device = "auto" if not torch.cuda.is_available() else "cpu"
+    other = LLM(target=tiny_llama, device=device)
+    assert other.target.model.embed.device.type == "cpu"
+    assert other.generate(["Once upon a time"], params)[0].token_ids == expected

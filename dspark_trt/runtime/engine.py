@@ -256,17 +256,21 @@ class Engine:
             # allows the mode only with the PyTorch TargetModel
             **({"batch_invariant": True} if self.batch_invariant else {}),
         )
+        # Sampling, verification and the drafter run on the CPU: a GPU target hands its rows over
+        # once per step (a no-op for a CPU target).
+        logits_rows = output.logits.cpu()  # [num_logits, vocab]
+        feature_rows = output.features.cpu() if output.features is not None else None  # [tokens, m * hidden]
 
         updated, row, offset = [], 0, 0
         for request, tokens, draft in feeds:
             if draft is None:  # prefill chunk: logits only if it completes the prompt
                 request.num_prompt_computed += len(tokens)
                 num_kept, num_logit_rows = len(tokens), 0 if request.in_prefill else 1
-                logits = output.logits[row : row + num_logit_rows]
+                logits = logits_rows[row : row + num_logit_rows]
                 if num_logit_rows:
                     self._commit(request, [sample(target_probs(logits, request.params)[0], request.generator)])
             else:  # anchor + draft block: verify
-                logits = output.logits[row : row + len(tokens)]
+                logits = logits_rows[row : row + len(tokens)]
                 num_logit_rows = len(tokens)
                 num_accepted, next_token = verify_draft(draft.tokens, draft.probs, target_probs(logits, request.params),
                                                         request.generator, request.params.greedy)
@@ -280,8 +284,8 @@ class Engine:
             # Hand over what the kept positions produced; rejected drafts' rows are dropped
             # together with their KV entries.
             request.new_logits = logits
-            if output.features is not None:
-                request.new_features = output.features[offset : offset + num_kept]
+            if feature_rows is not None:
+                request.new_features = feature_rows[offset : offset + num_kept]
             row += num_logit_rows
             offset += len(tokens)
             updated.append(request)

@@ -37,16 +37,15 @@ class EngineDirError(DsparkError):
 
 def current_device(backend: str) -> str:
     """The name this machine's device has in manifests and profiles of `backend`."""
-    if backend == "tensorrt":
-        import torch
+    import torch
 
+    from dspark_trt.runtime.device import device_name
+
+    if backend == "tensorrt":
         if not torch.cuda.is_available():
             return "cpu (no CUDA GPU)"
-        major, minor = torch.cuda.get_device_capability()
-        return f"cuda:{torch.cuda.get_device_name()} sm_{major}{minor}"
-    from dspark_trt.runtime.profile import cpu_device_name
-
-    return cpu_device_name()
+        return device_name(torch.device("cuda"))
+    return device_name(torch.device("cpu"))
 
 
 @dataclass

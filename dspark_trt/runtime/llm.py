@@ -52,14 +52,20 @@ class LLM:
                  engine_dir: str | os.PathLike | None = None, dtype: str = "float32",
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
                  policy: str | None = None, profile: LatencyProfile | str | os.PathLike | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, device: str | torch.device = "cpu"):
         """`policy`: how many draft tokens each step verifies (`none`, `fixed:K`, `threshold:H`,
         `dspark`, `dspark-lagged`; default: the whole block when a drafter is given, else `none`).
         `profile`: a `profile.json` (or `LatencyProfile`) for the confidence policies; without
         one they measure a quick profile at start-up.
         `batch_invariant`: every request's output is what it would be alone (same tokens at
         temperature 0 whatever else runs; same samples per seed with a per-request policy).
-        Row-by-row matmuls make it several times slower: for tests and reproducibility."""
+        Row-by-row matmuls make it several times slower: for tests and reproducibility.
+        `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
+        sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
+        runs on its GPU whatever this says)."""
+        from dspark_trt.runtime.device import resolve_device
+
+        device = resolve_device(device)  # before loading anything: a missing GPU fails fast
         built = None
         if engine_dir is not None:  # target, drafter and latency profile come from what `dspark-trt build` wrote
             from dspark_trt.runtime.engine_dir import open_engine_dir
@@ -75,10 +81,6 @@ class LLM:
         self.target: LoadedTarget = load_target(target, DTYPES[dtype])
         if built is not None:
             built.check_target(self.target.name, self.target.config)
-            if built.backend == "tensorrt":
-                from dspark_trt.runtime.trt_backend import tensorrt_target
-
-                self.target = tensorrt_target(self.target, built.file("target_engine"))
         self.tokenizer = self.target.tokenizer
         proposer = drafter
         if isinstance(drafter, (str, os.PathLike)):
@@ -89,6 +91,13 @@ class LLM:
 
             model = load_drafter(drafter, self.target)
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
+        # Only now, with the drafter holding the CPU embedding and LM head it borrowed: it drafts on
+        # the CPU whatever the target's device (`Module.to` gives the target new tensors).
+        self.target.model.to(device)
+        if built is not None and built.backend == "tensorrt":
+            from dspark_trt.runtime.trt_backend import tensorrt_target
+
+            self.target = tensorrt_target(self.target, built.file("target_engine"))
         if isinstance(profile, (str, os.PathLike)):
             profile = LatencyProfile.load(profile)
         self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,

@@ -181,7 +181,7 @@ def measure_target_curve(target, batch_tokens: list[int], context_length: int = 
         logits_at = torch.arange(size)
 
         def step():
-            model(ids, lengths, used, logits_at, ())
+            model(ids, lengths, used, logits_at, ()).logits.cpu()  # what the engine does: GPU rows come back
             for cache in used:
                 cache.truncate(context_length)
 
@@ -233,7 +233,7 @@ def suffix_minimum(seconds: list[float]) -> list[float]:
 
 def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, max_requests: int = 32,
                             quick: bool = False, progress=None) -> LatencyProfile:
-    """Measure this machine's target and drafter curves (torch CPU backend).
+    """Measure this machine's target and drafter curves (PyTorch backend, on the target's device).
 
     `quick` (used at start-up when no profile was given) measures fewer points with one
     repeat: a few seconds instead of a minute, coarse but far better than no curve.
@@ -248,6 +248,9 @@ def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, 
         num_requests = _powers_of_two(max_requests)
         drafter_seconds = suffix_minimum(measure_drafter_curve(target, proposer, num_requests, repeats=repeats,
                                                                progress=progress))
-    return LatencyProfile(backend="torch-cpu", device=cpu_device_name(),
+    from dspark_trt.runtime.device import device_name
+
+    device = target.model.embed.device
+    return LatencyProfile(backend=f"torch-{device.type}", device=device_name(device),
                           target_batch_tokens=batch_tokens, target_step_seconds=target_seconds,
                           drafter_num_requests=num_requests, drafter_step_seconds=drafter_seconds)
