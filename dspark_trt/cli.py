@@ -72,7 +72,7 @@ def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, see
                f"accept_length={m['accept_length']:.2f}]", err=True)
 
 
-DEFAULT_DATAGEN_MIX = ("gsm8k-train:730", "t0:700", "self-instruct", "code-stdlib")
+DEFAULT_DATAGEN_MIX = ("gsm8k-train:1430", "t0:1400", "self-instruct", "code-stdlib", "code-stdlib-complete")
 
 
 def parse_device(name: str):
@@ -100,7 +100,8 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
 @main.command()
 @click.option("--target", default="default", show_default=True, help="Target whose responses to record.")
 @click.option("--prompts", "prompt_specs", multiple=True, default=DEFAULT_DATAGEN_MIX, show_default=True,
-              help="Prompt set NAME[:LIMIT] (repeatable): gsm8k-train, t0, self-instruct, code-stdlib, or a JSONL path.")
+              help="Prompt set NAME[:LIMIT] (repeatable): gsm8k-train, t0, self-instruct, code-stdlib, "
+                   "code-stdlib-complete, or a JSONL path.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file to append rows to; rows already there are skipped (resumable).")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Longest response.")
@@ -112,9 +113,12 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
               help="Also save the target features of every row here (saves a second target pass in training).")
 @click.option("--feature-layers", default=None,
               help="Comma-separated target layers to save with --features-dir (default: 4 spread over [1, L-3]).")
+@click.option("--shard", default="0/1", show_default=True,
+              help="I/N: generate only prompts I, I+N, I+2N, ... (N processes sharing a GPU, each with its own "
+                   "--output; concatenate the files afterwards).")
 @device_option("the target generates (sampling and the written rows stay on the CPU)")
 def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, temperatures, batch_size, seed,
-            features_dir, feature_layers, device):
+            features_dir, feature_layers, shard, device):
     """Regenerate responses to training prompts with the target itself (self-distillation data)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
@@ -124,6 +128,9 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     temps = tuple(parse_floats(temperatures, "--temperatures"))
     if any(t < 0 for t in temps) or not temps:
         raise click.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
+    shard_index, _, num_shards = shard.partition("/")
+    if not (shard_index.isdigit() and num_shards.isdigit() and int(shard_index) < int(num_shards)):
+        raise click.BadParameter(f"expected I/N with 0 <= I < N, got {shard!r}", param_hint="--shard")
     device = parse_device(device)
     prompts = interleave([load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs])
     loaded = load_target(target)
@@ -133,7 +140,7 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     if any(not 0 <= layer < loaded.config.num_layers for layer in layers):
         raise click.BadParameter(f"layers must be in [0, {loaded.config.num_layers})", param_hint="--feature-layers")
     config = DatagenConfig(max_tokens=max_tokens, temperatures=temps, batch_size=batch_size, seed=seed,
-                           feature_layers=layers)
+                           feature_layers=layers, shard=(int(shard_index), int(num_shards)))
     added = generate_dataset(loaded, prompts, output, config, features_dir, max_prompt_tokens)
     click.echo(f"wrote {added} new rows to {output} ({len(prompts)} prompts in all)")
 

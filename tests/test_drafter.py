@@ -47,6 +47,35 @@ def test_datagen_features_equal_a_fresh_target_pass(target, dataset, tmp_path):
         assert (a.logsumexp - b.logsumexp).abs().max() < 1e-3
 
 
+def test_sharded_datagen_writes_what_one_run_writes(target, tmp_path):
+    """Shards 0/2 and 1/2 together: the same rows, greedy and sampled alike (seeds follow a prompt's
+    place in the whole list). One request at a time, so batching cannot round a token differently."""
+    prompts = load_prompts("gsm8k-train", 5)
+
+    def run(name, shard):
+        config = DatagenConfig(max_tokens=10, batch_size=1, temperatures=(0.0, 1.0), shard=shard)
+        generate_dataset(target, prompts, tmp_path / name, config)
+        return {row["id"]: row for row in read_rows(tmp_path / name)}
+
+    whole = run("whole.jsonl", (0, 1))
+    first, second = run("first.jsonl", (0, 2)), run("second.jsonl", (1, 2))
+    assert sorted(first) == [p.prompt_id for p in prompts[0::2]]
+    assert sorted(second) == [p.prompt_id for p in prompts[1::2]]
+    assert {**first, **second} == whole
+    assert {row["temperature"] for row in whole.values()} == {0.0, 1.0}
+
+
+def test_datagen_refuses_a_bad_shard(tmp_path):
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+
+    for shard in ("2/2", "a/b", "1"):
+        result = CliRunner().invoke(main, ["datagen", "--output", str(tmp_path / "rows.jsonl"), "--shard", shard])
+        assert result.exit_code == 2 and "--shard" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
 def test_mask_block_sees_only_earlier_context_and_its_own_block(dataset):
     _, sequences = dataset
     batch = make_batch(sequences[:2], num_anchors=3, block_size=4, num_feature_layers=2, hidden_size=64,

@@ -40,6 +40,10 @@ class DatagenConfig:
     batch_size: int = 32
     seed: int = 0
     feature_layers: tuple[int, ...] = ()  # with features_dir: the drafter's layers (last layer is added)
+    # (index, count): this process generates prompts index, index + count, ... of the list, so
+    # several processes can share one GPU (each writing its own file). Temperatures and seeds
+    # follow a prompt's place in the whole list: a sharded run writes what one run would.
+    shard: tuple[int, int] = (0, 1)
 
 
 def feature_file(features_dir: Path, row_id: str) -> Path:
@@ -69,7 +73,9 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
     """Generate responses for the prompts not yet in `output`; returns how many rows were added."""
     output.parent.mkdir(parents=True, exist_ok=True)
     skip = done_ids(output)
-    todo = [(i, p) for i, p in enumerate(prompts) if p.prompt_id not in skip]
+    shard_index, num_shards = config.shard
+    mine = [(i, p) for i, p in enumerate(prompts) if i % num_shards == shard_index]
+    todo = [(i, p) for i, p in mine if p.prompt_id not in skip]
     capture = features_dir is not None
     layers = (*config.feature_layers, target.config.num_layers - 1) if capture else ()
     if capture:
@@ -86,7 +92,7 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
     meta: dict[str, tuple[Prompt, float]] = {}
     captured: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     added = 0
-    progress = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="datagen", unit="prompt")
+    progress = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="datagen", unit="prompt")
 
     def refill():
         while len(engine.running) + len(engine.waiting) < config.batch_size:

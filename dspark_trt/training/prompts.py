@@ -8,6 +8,7 @@ Named sets (see `data/SOURCES.md` for origins and licenses):
 | t0            | t0_prompts/prompts.jsonl           | chat   | training   |
 | self-instruct | self_instruct/seed_tasks.jsonl     | chat   | training   |
 | code-stdlib   | built from Python stdlib docstrings| code   | training   |
+| code-stdlib-complete | the same functions as stubs to complete | code | training |
 | mt-bench      | mt_bench/question.jsonl (turn 1)   | chat   | evaluation |
 | humaneval     | humaneval/HumanEval.jsonl.gz       | code   | evaluation |
 | gsm8k         | gsm8k/test.jsonl                   | math   | evaluation |
@@ -38,6 +39,7 @@ TRAINING_SETS = {
     "t0": ("t0_prompts/prompts.jsonl", "chat"),
     "self-instruct": ("self_instruct/seed_tasks.jsonl", "chat"),
     "code-stdlib": (None, "code"),
+    "code-stdlib-complete": (None, "code"),
 }
 EVALUATION_SETS = {
     "mt-bench": ("mt_bench/question.jsonl", "chat"),
@@ -99,9 +101,9 @@ def humaneval_messages(row: dict) -> list[dict]:
     return user("Complete the following Python function.\n\n```python\n" + row["prompt"] + "```")
 
 
-def stdlib_code_prompts() -> list[list[dict]]:
-    """"Write a Python function `name(signature)` that <docstring summary>" for stdlib functions."""
-    tasks = []
+def stdlib_functions() -> list[tuple[str, str, str]]:
+    """(name, signature, docstring summary) of the public stdlib functions worth a coding task."""
+    functions = []
     for module_name in STDLIB_MODULES:
         try:
             module = importlib.import_module(module_name)
@@ -118,15 +120,31 @@ def stdlib_code_prompts() -> list[list[dict]]:
                 signature = str(inspect.signature(obj))
             except (TypeError, ValueError):
                 continue
-            tasks.append(user(f"Write a Python function `{name}{signature}`. {summary} "
-                              "Include a docstring and a short usage example."))
-    return tasks
+            functions.append((name, signature, summary))
+    return functions
+
+
+def stdlib_code_prompts() -> list[list[dict]]:
+    """"Write a Python function `name(signature)` that <docstring summary>" for stdlib functions."""
+    return [user(f"Write a Python function `{name}{signature}`. {summary} Include a docstring and a short usage example.")
+            for name, signature, summary in stdlib_functions()]
+
+
+def stdlib_completion_prompts() -> list[list[dict]]:
+    """The same functions as a stub to complete: a signature and docstring, the way code-completion
+    prompts are written (content from the stdlib, never from an evaluation set). Signatures whose
+    defaults print as memory addresses are skipped: their text would change from run to run."""
+    return [user("Complete the following Python function.\n\n```python\n"
+                 f'def {name}{signature}:\n    """{summary}"""\n```')
+            for name, signature, summary in stdlib_functions() if " at 0x" not in signature]
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
     """The first `limit` prompts of a named set or JSONL file (all when limit is None)."""
     if name == "code-stdlib":
         conversations, domain = stdlib_code_prompts(), "code"
+    elif name == "code-stdlib-complete":
+        conversations, domain = stdlib_completion_prompts(), "code"
     elif name in TRAINING_SETS or name in EVALUATION_SETS:
         relative, domain = {**TRAINING_SETS, **EVALUATION_SETS}[name]
         rows = read_jsonl(DATA_DIR / relative)

@@ -1,0 +1,32 @@
+"""Prompt sets: training prompts never come from evaluation sets, and built sets are stable."""
+
+import gzip
+import json
+
+from dspark_trt.training.prompts import DATA_DIR, EVALUATION_SETS, TRAINING_SETS, load_prompts
+
+
+def first_user_text(prompt) -> str:
+    return next(m["content"] for m in prompt.messages if m["role"] == "user")
+
+
+def test_training_sets_share_no_prompt_with_evaluation_sets():
+    training = {first_user_text(p) for name in TRAINING_SETS for p in load_prompts(name)}
+    evaluation = {first_user_text(p) for name in EVALUATION_SETS for p in load_prompts(name)}
+    assert len(training) > 10_000 and len(evaluation) > 1_000
+    assert not training & evaluation
+
+
+def test_completion_prompts_are_stdlib_stubs_not_humaneval_tasks():
+    prompts = load_prompts("code-stdlib-complete")
+    again = load_prompts("code-stdlib-complete")
+    assert [first_user_text(p) for p in prompts] == [first_user_text(p) for p in again]  # same ids, same text
+    assert len(prompts) > 300 and {p.domain for p in prompts} == {"code"}
+    with gzip.open(DATA_DIR / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        humaneval = [json.loads(line)["prompt"] for line in f]
+    for prompt in prompts:
+        text = first_user_text(prompt)
+        assert text.startswith("Complete the following Python function.\n\n```python\ndef ")
+        assert '"""' in text and " at 0x" not in text  # a docstring; no run-dependent default values
+        def_line = text.split("```python\n", 1)[1].split("\n", 1)[0]  # "def name(signature):"
+        assert not any(def_line in task for task in humaneval)  # a name may recur (search), never a task
