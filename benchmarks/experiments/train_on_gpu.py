@@ -10,7 +10,7 @@ What it does, in order:
 2. times 10 training steps of each kind alone, and picks one step count for all four that fits
    what is left of `--wall-seconds` when they train side by side (`--overlap`: how much faster
    four processes sharing the GPU are than the same steps run one after another; 1.0 assumes
-   no gain);
+   no gain); `--steps N` skips this and trains N steps;
 3. runs `dspark-trt train --device cuda --export ...` for the four kinds at once and waits. A run
    still going near the end of `--wall-seconds` is stopped and exported from its last checkpoint
    (its model card then shows fewer steps), so a slow guess never loses the rest;
@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-steps", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train this many steps and skip the probe (0: probe, then fit the budget)")
     parser.add_argument("--limit-rows", type=int, default=0, help="dry runs: use only this many rows")
     parser.add_argument("--reference", type=Path, default=None, help=".npz: row id -> target logsumexp")
     parser.add_argument("--summary", type=Path, default=None, help="default: RUNS/summary.json")
@@ -112,12 +114,12 @@ def main() -> int:
             print("the target here disagrees with the reference: stopping", file=sys.stderr)
             return 1
 
-    # Probe: 10 steps of each kind alone, after 3 warm-up steps.
-    sequences = load_sequences(rows, args.features_dir)
+    # Probe: 10 steps of each kind alone, after 3 warm-up steps (unless --steps says how many).
+    sequences = load_sequences(rows, args.features_dir) if not args.steps else []
     vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
     probe = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for kind in KINDS:
+        for kind in KINDS if not args.steps else ():
             config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
                                  anchors_per_sequence=args.anchors, learning_rate=args.lr)
             run = Path(scratch) / kind
@@ -139,8 +141,11 @@ def main() -> int:
     summary["probe_seconds_per_step"] = probe
     train_seconds = wall_deadline - time.monotonic() - args.startup_seconds - export_seconds
     summary["train_seconds_planned"] = round(train_seconds, 1)
-    steps = int(train_seconds * args.overlap / sum(probe.values()))
-    steps = max(50, min(args.max_steps, steps // 50 * 50))
+    if args.steps:
+        steps = args.steps
+    else:
+        steps = int(train_seconds * args.overlap / sum(probe.values()))
+        steps = max(50, min(args.max_steps, steps // 50 * 50))
     summary["steps"] = steps
     save_summary()
     print(f"training all four for {steps} steps", flush=True)

