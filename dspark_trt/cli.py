@@ -284,8 +284,8 @@ def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, ma
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, seed=seed + i)
               for i in range(len(prompts))]
     result = {"dataset": dataset, "drafter": str(drafter_spec), "drafter_kind": llm.engine.proposer.drafter.config.kind,
-              "target": llm.target.name, "device": str(device), "policy": policy, "temperature": temperature, "max_tokens": max_tokens,
-              "seed": seed,
+              "target": llm.target.name, "device": str(device), "policy": policy, "temperature": temperature,
+              "max_tokens": max_tokens, "seed": seed,
               **evaluate(llm, prompts, params, batch_size, compare_plain=not no_plain)}
     text = json.dumps(result, indent=2)
     if output:
