@@ -24,4 +24,9 @@ split -n 2 -d -a 2 "$gguf_file" .gpu/gguf.part
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d .gpu/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 git rm -r -q --cached checkpoints
-echo "ready: $(du -sh .gpu | cut -f1) in .gpu; checkpoints untracked until: git reset -q -- checkpoints"
+# What travels with each call: the tree git would send plus one half of the target (limit 64 MiB).
+tree_bytes=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s += $1} END {print s}')
+part_bytes=$(stat -c %s .gpu/gguf.part00)
+echo "each call carries ~$(( (tree_bytes + part_bytes) / 1048576 )) MiB (limit 64)"
+echo "ready; checkpoints untracked until: git reset -q -- checkpoints"
