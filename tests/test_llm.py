@@ -191,3 +191,12 @@ def test_llm_on_the_cpu_device_is_the_default(llm, tiny_llama):
     other = LLM(target=tiny_llama, device=device)
     assert other.target.model.embed.device.type == "cpu"
     assert other.generate(["Once upon a time"], params)[0].token_ids == expected
+
+
+def test_a_latency_profile_from_another_device_is_refused(tiny_llama):
+    from dspark_trt.runtime.profile import LatencyProfile
+
+    gpu_profile = LatencyProfile("torch-cuda", "cuda:Some GPU sm_90", [1, 8], [0.004, 0.005], [1], [0.002])
+    with pytest.raises(InvalidRequestError, match="measured for torch-cuda") as caught:
+        LLM(target=tiny_llama, profile=gpu_profile)
+    assert caught.value.param == "profile"

@@ -9,8 +9,8 @@ k when slots 1..k-1 were right, as in the train logs) on two sets of rows from t
 file: the 5% held out from training (chosen by id; the DSpark calibration set, never trained on)
 and as many training rows, with the same number of anchors per row drawn by the same seeded
 sampler. A large gap says the drafters memorise their ~2,000 responses and more data is the
-lever; no gap says capacity or steps are. Needs the target features of those rows
-(`dspark-trt datagen --features-dir` or `dspark-trt train` fills the folder).
+lever; no gap says capacity or steps are. Target features missing from `--features-dir` are
+computed first (one target pass per row).
 """
 
 from __future__ import annotations
@@ -44,16 +44,18 @@ def main() -> None:
 
     from dspark_trt.models.drafter_io import load_drafter
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import load_sequences, make_batch, read_rows
+    from dspark_trt.models.features import default_feature_layers
+    from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
     from dspark_trt.training.losses import drafter_loss
     from dspark_trt.training.trainer import is_held_out
 
     rows = read_rows(args.data)[: args.max_rows]
     held_out = [r for r in rows if is_held_out(r["id"])]
     trained = random.Random(args.seed).sample([r for r in rows if not is_held_out(r["id"])], len(held_out))
+    target = load_target("default")
+    ensure_features(target, held_out + trained, args.features_dir, default_feature_layers(target.config.num_layers))
     sets = {"held_out": load_sequences(held_out, args.features_dir),
             "trained": load_sequences(trained, args.features_dir)}
-    target = load_target("default")
     final_norm, eps = target.model.final_norm.detach(), target.config.rms_norm_eps
 
     result: dict = {"data": str(args.data), "rows_per_set": len(held_out), "anchors_per_row": args.anchors,

@@ -8,13 +8,21 @@
 #   in .gpu/whl;
 # - the committed checkpoints (64 MB) are taken out of the index until `git reset -- checkpoints`
 #   (nothing on the device needs them; the files stay on disk).
-# Then, with the device tool (see gpu_session.sh for what the second call runs):
+# Then, with the device tool (see gpu_session.sh for what the second call runs), the second call
+# within 30 s of the first (the machine keeps the first half only while warm):
 #   run(command="ls -la .gpu", carry=[".gpu/gguf.part00", ".gpu/whl"])
 #   run(command="bash benchmarks/experiments/gpu_session.sh", carry=[".gpu/gguf.part01"], timeout_s=600)
-#   run(command="cp /tmp/scale/rows.jsonl.gz /tmp/scale/*summary.json $OUT/")   # the regenerated rows
-#   git reset -q -- checkpoints
+#   bash benchmarks/experiments/gpu_carry.sh --restore
+# Commit nothing before --restore: the index holds the drafters' deletion until then.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
+if [ "${1:-}" = "--restore" ]; then  # the checkpoints back in the index and out of the exclude list
+    git reset -q -- checkpoints
+    sed -i '\#^/checkpoints/$#d' .git/info/exclude
+    git status --short checkpoints
+    echo "restored"
+    exit 0
+fi
 grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
 grep -qx '/checkpoints/' .git/info/exclude || echo '/checkpoints/' >> .git/info/exclude
 mkdir -p .gpu/whl
@@ -29,4 +37,4 @@ tree_bytes=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | x
     | awk '{s += $1} END {print s}')
 part_bytes=$(stat -c %s .gpu/gguf.part00)
 echo "each call carries ~$(( (tree_bytes + part_bytes) / 1048576 )) MiB (limit 64)"
-echo "ready; checkpoints untracked until: git reset -q -- checkpoints"
+echo "ready; checkpoints untracked (commit nothing) until: bash benchmarks/experiments/gpu_carry.sh --restore"

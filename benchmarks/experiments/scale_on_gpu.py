@@ -15,8 +15,10 @@ training mix (11.7k prompts) in minutes. What this script does, in order:
    gets committed) and counts rows and tokens per domain;
 3. runs `train_on_gpu.py` on those rows with what is left of `--wall-seconds` (`--train-steps`
    fixes the step count and skips its probe);
-4. with `--out`: packs the exported drafters into parts of at most 15 MiB there (the device
-   tool's limit per file), with `scale_summary.json`. Join them with `cat drafters.tar.part* | tar x`.
+4. with `--out`: writes `rows.jsonl.gz` there as soon as the rows are joined, and at the end the
+   exported drafters, gzipped, in parts of at most 15 MiB (the device tool's limit per file; 8
+   files and 64 MiB a call in all), with `scale_summary.json`. Join the parts with
+   `cat drafters.tar.gz.part* | tar xz`.
 
 It does not calibrate or evaluate: do that where the held-out features can be computed
 (`dspark-trt calibrate`, `benchmarks/offline.py`). Runs on the CPU too, for a dry run:
@@ -41,6 +43,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 FULL_MIX = ("gsm8k-train", "t0", "self-instruct", "code-stdlib", "code-stdlib-complete")
 PART_BYTES = 15 * 2**20
+KEEP = ("config.json", "model.safetensors", "MODEL_CARD.md", "calibration.json")
+PACK_SECONDS = 30.0  # gzip and split ~60 MB
 
 
 def run_datagen(args, deadline: float) -> dict:
@@ -61,18 +65,18 @@ def run_datagen(args, deadline: float) -> dict:
                 command += ["--prompts", spec]
             log = logs.enter_context(open(shard_dir / f"datagen.{shard}.log", "w"))
             processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
-        stopped = 0
-        for process in processes:
+        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+            time.sleep(1.0)
+        running = [p for p in processes if p.poll() is None]
+        for process in running:  # all at once: finished rows are on disk already
+            process.terminate()
+        for process in running:
             try:
-                process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:  # finished rows are on disk already
-                process.terminate()
-                stopped += 1
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        stopped = len(running)
     return {"datagen_seconds": round(time.monotonic() - began, 1), "processes": args.processes,
             "stopped_at_deadline": stopped, "returncodes": [p.returncode for p in processes]}
 
@@ -101,14 +105,17 @@ def join_shards(args) -> dict:
 
 
 def pack(export_dir: Path, out: Path) -> list[str]:
-    """The exported drafters as one tar in parts of at most PART_BYTES."""
-    bundle = export_dir.parent / "drafters.tar"
-    with tarfile.open(bundle, "w") as tar:
-        tar.add(export_dir, arcname="export")
+    """The exported drafters (their checkpoint files only: not the staging folder a stopped export
+    may leave) as one gzipped tar in parts of at most PART_BYTES (~57 MiB for the four)."""
+    bundle = export_dir.parent / "drafters.tar.gz"
+    with tarfile.open(bundle, "w:gz") as tar:
+        for path in sorted(export_dir.glob("*/*")):
+            if path.name in KEEP and not path.parent.name.startswith("."):
+                tar.add(path, arcname=f"export/{path.parent.name}/{path.name}")
     names = []
     with bundle.open("rb") as source:
         while chunk := source.read(PART_BYTES):
-            names.append(f"drafters.tar.part{len(names):02d}")
+            names.append(f"drafters.tar.gz.part{len(names):02d}")
             (out / names[-1]).write_bytes(chunk)
     return names
 
@@ -146,22 +153,30 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     summary["datagen"] = run_datagen(args, time.monotonic() + args.datagen_seconds)
     summary["data"] = join_shards(args)
+    if args.out:  # the rows come back even if training runs out of time
+        shutil.copy(args.work / "rows.jsonl.gz", args.out / "rows.jsonl.gz")
     save_summary()
     print(json.dumps(summary, indent=2), flush=True)
 
     export_dir = args.work / "export"
+    train_seconds = wall_deadline - time.monotonic() - PACK_SECONDS
     command = [sys.executable, str(HERE / "train_on_gpu.py"), "--data", str(args.work / "rows.jsonl"),
                "--features-dir", str(args.work / "features"), "--runs", str(args.work / "runs"),
                "--export-dir", str(export_dir), "--device", args.device, "--steps", str(args.train_steps),
-               "--wall-seconds", str(max(60.0, wall_deadline - time.monotonic() - 20)),
+               "--wall-seconds", str(max(60.0, train_seconds - 10)),
                "--summary", str(args.work / "train_summary.json")]
-    trained = subprocess.run(command)
-    if (args.work / "train_summary.json").is_file():
-        summary["training"] = json.loads((args.work / "train_summary.json").read_text())
-    if args.out and export_dir.is_dir():
-        summary["parts"] = pack(export_dir, args.out)
-    save_summary()
-    return trained.returncode
+    returncode = 1
+    try:
+        returncode = subprocess.run(command, timeout=max(60.0, train_seconds)).returncode
+    except subprocess.TimeoutExpired:  # its own deadline failed: pack whatever was exported
+        summary["training_killed"] = True
+    finally:
+        if (args.work / "train_summary.json").is_file():
+            summary["training"] = json.loads((args.work / "train_summary.json").read_text())
+        if args.out and export_dir.is_dir():
+            summary["parts"] = pack(export_dir, args.out)
+        save_summary()
+    return returncode
 
 
 if __name__ == "__main__":

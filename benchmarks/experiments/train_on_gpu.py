@@ -56,7 +56,9 @@ def main() -> int:
     parser.add_argument("--summary", type=Path, default=None, help="default: RUNS/summary.json")
     args = parser.parse_args()
     wall_deadline = time.monotonic() + args.wall_seconds
-    export_seconds = 45.0  # a stopped run's export from its checkpoint (they run side by side)
+    # A stopped run's export from its checkpoint is a whole `dspark-trt train` start-up (target
+    # and every row's features loaded), side by side for the four.
+    export_seconds = args.startup_seconds + 30.0
 
     import dspark_trt  # noqa: F401  (first: it sets torch's thread policy, runtime/threads.py)
 
@@ -176,7 +178,11 @@ def main() -> int:
                 exports.append(subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
                                                 stderr=subprocess.STDOUT))
         for process in exports:
-            process.wait()
+            try:
+                process.wait(timeout=max(1.0, wall_deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
     runs = {}
     for kind, (process, _, _) in processes.items():
         state_path = args.runs / kind / "training_state.pt"

@@ -44,6 +44,11 @@ def one_row_at_a_time():
         _mode.row_by_row = previous
 
 
+def in_row_by_row_mode() -> bool:
+    """Whether this thread is inside `one_row_at_a_time()`."""
+    return getattr(_mode, "row_by_row", False)
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.is_cpu and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
         return torch.from_numpy(x.detach().contiguous().numpy() @ weight.detach().numpy())
@@ -52,7 +57,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight`, through numpy's OpenBLAS for CPU fp32 inference (see the table above)."""
-    if getattr(_mode, "row_by_row", False) and x.dim() == 2 and x.shape[0] > 1:
+    if in_row_by_row_mode() and x.dim() == 2 and x.shape[0] > 1:
         return torch.cat([_matmul(x[i : i + 1], weight) for i in range(x.shape[0])])
     return _matmul(x, weight)
 

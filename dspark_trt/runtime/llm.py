@@ -59,7 +59,8 @@ class LLM:
         one they measure a quick profile at start-up.
         `batch_invariant`: every request's output is what it would be alone (same tokens at
         temperature 0 whatever else runs; same samples per seed with a per-request policy).
-        Row-by-row matmuls make it several times slower: for tests and reproducibility.
+        Row-by-row matmuls (and, on a GPU, norms) make it several times slower: for tests and
+        reproducibility.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
         sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
         runs on its GPU whatever this says)."""
@@ -74,6 +75,9 @@ class LLM:
                 raise InvalidRequestError("give engine_dir or drafter, not both (the engine directory has its drafter)",
                                           "drafter")
             built = open_engine_dir(engine_dir)
+            if built.backend != "tensorrt" and device.type != "cpu":
+                raise InvalidRequestError(f"{engine_dir} was built for the CPU (its latency profile was measured "
+                                          "there); use device cpu, or build one on this GPU", "device")
             target, drafter = built.target_spec, built.drafter_path
             profile = profile if profile is not None else built.profile_path
         if dtype not in DTYPES:
@@ -91,13 +95,20 @@ class LLM:
 
             model = load_drafter(drafter, self.target)
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
-        # Only now, with the drafter holding the CPU embedding and LM head it borrowed: it drafts on
-        # the CPU whatever the target's device (`Module.to` gives the target new tensors).
-        self.target.model.to(device)
-        if built is not None and built.backend == "tensorrt":
+        if built is not None and built.backend == "tensorrt":  # the engine holds the GPU's copy
             from dspark_trt.runtime.trt_backend import tensorrt_target
 
             self.target = tensorrt_target(self.target, built.file("target_engine"))
+        else:
+            # Only now, with the drafter holding the CPU embedding and LM head it borrowed: it
+            # drafts on the CPU whatever the target's device (`Module.to` gives the target new tensors).
+            self.target.model.to(device)
+            if isinstance(profile, (str, os.PathLike)):
+                profile = LatencyProfile.load(profile)
+            if profile is not None and profile.backend != f"torch-{device.type}":
+                raise InvalidRequestError(f"the latency profile was measured for {profile.backend} ({profile.device}) "
+                                          f"but the target runs on {device} with PyTorch; measure one here "
+                                          "(dspark-trt profile) or give none", "profile")
         if isinstance(profile, (str, os.PathLike)):
             profile = LatencyProfile.load(profile)
         self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,

@@ -42,7 +42,8 @@ class DatagenConfig:
     feature_layers: tuple[int, ...] = ()  # with features_dir: the drafter's layers (last layer is added)
     # (index, count): this process generates prompts index, index + count, ... of the list, so
     # several processes can share one GPU (each writing its own file). Temperatures and seeds
-    # follow a prompt's place in the whole list: a sharded run writes what one run would.
+    # follow a prompt's place in the whole list, so a sharded run writes what one run would, up
+    # to batching's rounding (and for the few stdlib prompts whose text shows a memory address).
     shard: tuple[int, int] = (0, 1)
 
 
@@ -74,6 +75,8 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
     output.parent.mkdir(parents=True, exist_ok=True)
     skip = done_ids(output)
     shard_index, num_shards = config.shard
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard {shard_index}/{num_shards}: need 0 <= index < count")
     mine = [(i, p) for i, p in enumerate(prompts) if i % num_shards == shard_index]
     todo = [(i, p) for i, p in mine if p.prompt_id not in skip]
     capture = features_dir is not None
