@@ -17,7 +17,10 @@ Any other value is read as a JSONL path whose rows hold one of the fields `promp
 `question`, `instruction`, `turns` (first turn) or `messages`. Every prompt is returned as a
 chat conversation (a list of messages), because the targets we serve are chat models; the
 code set asks for a function the way a user would. Evaluation sets are never mixed into
-training: `TRAINING_SETS` and `EVALUATION_SETS` are disjoint by construction.
+training: `TRAINING_SETS` and `EVALUATION_SETS` are disjoint by construction. Ids are positions
+(`<set>/<row>`); for the two code sets, positions in this Python's stdlib listing, which another
+Python version may order differently: a data file stays valid (rows keep their token ids), but
+do not resume one made under another Python version by id.
 """
 
 from __future__ import annotations
