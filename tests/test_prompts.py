@@ -3,7 +3,12 @@
 import gzip
 import json
 
-from dspark_trt.training.prompts import DATA_DIR, EVALUATION_SETS, TRAINING_SETS, load_prompts
+from dspark_trt.training.prompts import (
+    DATA_DIR,
+    EVALUATION_SETS,
+    TRAINING_SETS,
+    load_prompts,
+)
 
 
 def first_user_text(prompt) -> str:

@@ -43,8 +43,8 @@ def main() -> None:
     from tqdm import tqdm
 
     from dspark_trt.models.drafter_io import load_drafter
-    from dspark_trt.models.loading import load_target
     from dspark_trt.models.features import default_feature_layers
+    from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
     from dspark_trt.training.losses import drafter_loss
     from dspark_trt.training.trainer import is_held_out

@@ -167,7 +167,7 @@ def main() -> int:
                "--summary", str(args.work / "train_summary.json")]
     returncode = 1
     try:
-        returncode = subprocess.run(command, timeout=max(60.0, train_seconds)).returncode
+        returncode = subprocess.run(command, timeout=max(60.0, train_seconds), check=False).returncode
     except subprocess.TimeoutExpired:  # its own deadline failed: pack whatever was exported
         summary["training_killed"] = True
     finally:
