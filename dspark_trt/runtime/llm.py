@@ -95,6 +95,8 @@ class LLM:
 
             model = load_drafter(drafter, self.target)
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
+        if isinstance(profile, (str, os.PathLike)):
+            profile = LatencyProfile.load(profile)
         if built is not None and built.backend == "tensorrt":  # the engine holds the GPU's copy
             from dspark_trt.runtime.trt_backend import tensorrt_target
 
@@ -103,14 +105,10 @@ class LLM:
             # Only now, with the drafter holding the CPU embedding and LM head it borrowed: it
             # drafts on the CPU whatever the target's device (`Module.to` gives the target new tensors).
             self.target.model.to(device)
-            if isinstance(profile, (str, os.PathLike)):
-                profile = LatencyProfile.load(profile)
             if profile is not None and profile.backend != f"torch-{device.type}":
                 raise InvalidRequestError(f"the latency profile was measured for {profile.backend} ({profile.device}) "
                                           f"but the target runs on {device} with PyTorch; measure one here "
                                           "(dspark-trt profile) or give none", "profile")
-        if isinstance(profile, (str, os.PathLike)):
-            profile = LatencyProfile.load(profile)
         self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                              max_model_len=max_model_len, policy=policy, profile=profile,
                              batch_invariant=batch_invariant)
