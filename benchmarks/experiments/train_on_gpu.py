@@ -34,6 +34,47 @@ from pathlib import Path
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
 
 
+def wait_or_kill(process: subprocess.Popen, deadline: float) -> None:
+    """Wait for `process` until the monotonic `deadline`, then kill it."""
+    try:
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], args) -> dict[str, float]:
+    """Seconds per training step of each kind alone: 10 steps timed after 3 warm-up steps."""
+    import torch
+
+    from dspark_trt.training.data import load_sequences
+    from dspark_trt.training.trainer import (
+        TrainConfig,
+        build_draft_vocab,
+        drafter_config_for,
+        train_drafter,
+    )
+
+    sequences = load_sequences(rows, args.features_dir)
+    vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
+    probe = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for kind in KINDS:
+            config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
+                                 anchors_per_sequence=args.anchors, learning_rate=args.lr)
+            run = Path(scratch) / kind
+            drafter_config = drafter_config_for(kind, target, layers)
+            train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=3,
+                          device=args.device)
+            warm = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
+            train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=13,
+                          device=args.device)
+            done = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
+            probe[kind] = (done - warm) / 10
+            print(f"probe {kind}: {probe[kind] * 1000:.0f} ms/step", flush=True)
+    return probe
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("data/train/smollm2-135m-instruct.jsonl"))
@@ -68,15 +109,9 @@ def main() -> int:
 
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import ensure_features, load_sequences, read_rows
+    from dspark_trt.training.data import ensure_features, read_rows
     from dspark_trt.training.datagen import feature_file
-    from dspark_trt.training.trainer import (
-        TrainConfig,
-        build_draft_vocab,
-        drafter_config_for,
-        is_held_out,
-        train_drafter,
-    )
+    from dspark_trt.training.trainer import is_held_out
 
     summary: dict = {"device": args.device, "batch_size": args.batch_size, "anchors": args.anchors, "lr": args.lr}
     summary_path = args.summary or args.runs / "summary.json"
@@ -116,27 +151,9 @@ def main() -> int:
             print("the target here disagrees with the reference: stopping", file=sys.stderr)
             return 1
 
-    # Probe: 10 steps of each kind alone, after 3 warm-up steps (unless --steps says how many).
-    sequences = load_sequences(rows, args.features_dir) if not args.steps else []
-    vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
-    probe = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for kind in KINDS if not args.steps else ():
-            config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
-                                 anchors_per_sequence=args.anchors, learning_rate=args.lr)
-            run = Path(scratch) / kind
-            drafter_config = drafter_config_for(kind, target, layers)
-            train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=3,
-                          device=args.device)
-            warm = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
-            train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=13,
-                          device=args.device)
-            done = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
-            probe[kind] = (done - warm) / 10
-            print(f"probe {kind}: {probe[kind] * 1000:.0f} ms/step", flush=True)
+    probe = {} if args.steps else probe_seconds_per_step(target, rows, layers, args)
     # Hand the GPU to the four runs: this process's cached blocks (~70 GB after the probes) made
     # the EAGLE-3-style run fail for want of memory on the first try.
-    del sequences
     target.model.to("cpu")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -165,11 +182,7 @@ def main() -> int:
             log = logs.enter_context(open(args.runs / f"{kind}.log", "w"))
             processes[kind] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
         for process, _, _ in processes.values():
-            try:
-                process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            wait_or_kill(process, deadline)
         exports = []  # stopped runs: export what their last checkpoint holds, side by side
         for kind, (process, command, log) in processes.items():
             state_path = args.runs / kind / "training_state.pt"
@@ -178,11 +191,7 @@ def main() -> int:
                 exports.append(subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
                                                 stderr=subprocess.STDOUT))
         for process in exports:
-            try:
-                process.wait(timeout=max(1.0, wall_deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            wait_or_kill(process, wall_deadline)
     runs = {}
     for kind, (process, _, _) in processes.items():
         state_path = args.runs / kind / "training_state.pt"
