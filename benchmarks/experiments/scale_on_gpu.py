@@ -130,7 +130,8 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=8, help="datagen shards sharing the GPU")
     parser.add_argument("--batch-size", type=int, default=128, help="requests in flight per shard")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--prompts", action="append", default=None, help=f"prompt sets (default: {', '.join(FULL_MIX)})")
+    parser.add_argument("--prompts", action="append", default=None,
+                        help=f"prompt sets (default: {', '.join(FULL_MIX)})")
     parser.add_argument("--train-steps", type=int, default=1900, help="0: let train_on_gpu.py probe and fit the budget")
     args = parser.parse_args()
     args.prompts = args.prompts or list(FULL_MIX)

@@ -129,7 +129,8 @@ def stdlib_functions() -> list[tuple[str, str, str]]:
 
 def stdlib_code_prompts() -> list[list[dict]]:
     """"Write a Python function `name(signature)` that <docstring summary>" for stdlib functions."""
-    return [user(f"Write a Python function `{name}{signature}`. {summary} Include a docstring and a short usage example.")
+    return [user(f"Write a Python function `{name}{signature}`. {summary} "
+                 "Include a docstring and a short usage example.")
             for name, signature, summary in stdlib_functions()]
 
 
