@@ -5,7 +5,8 @@ a `StreamDelta` (text and ids since the last delta; the last one carries the fin
 the request's metrics). All running requests share one in-flight batch: the thread admits new
 requests and applies cancellations between steps, so a request joins or leaves at the next step.
 
-    submit(ids, params, on_delta) -> request id      (checks and queues; raises when full)
+    submit(ids, params, on_delta) -> request id      (checks and queues; raises when full: at most
+                                                      max_batch_size running + max_queue waiting)
     cancel(request id)                                (frees its KV memory at the next step)
     shutdown(drain=True)                              (refuse new work, finish what runs, stop)
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class QueueFullError(DsparkError):
-    """More requests are waiting than the server allows (`max_queue`): retry later."""
+    """Every KV slot runs a request and `max_queue` more are waiting: retry later."""
 
 
 class ShuttingDownError(DsparkError):
@@ -90,6 +91,17 @@ class EngineThread:
         return self
 
     @property
+    def capacity(self) -> int | None:
+        """How many requests may be unfinished at once: every KV slot running one, plus the queue."""
+        return None if self.max_queue is None else self.engine.pool.num_slots + self.max_queue
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet finished: in the inbox, waiting, running, or cancelled but
+        not yet released (a cancelled request holds its slot until the next step frees it)."""
+        return len(self._streams)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.engine.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
 
@@ -108,8 +120,12 @@ class EngineThread:
         with self._lock:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down and takes no new requests")
-            if self.max_queue is not None and self.num_waiting >= self.max_queue + max(0, self._free_slots()):
-                raise QueueFullError(f"{self.num_waiting} requests are already waiting (max_queue={self.max_queue})")
+            # One count for the rule: every unfinished request, wherever it is now (inbox, queue or
+            # batch). Counting the inbox as waiting *and* subtracting it from free slots refused
+            # requests long before the queue was full.
+            if self.capacity is not None and self.num_unfinished >= self.capacity:
+                raise QueueFullError(f"the server is full: {self.engine.pool.num_slots} requests running and "
+                                     f"{self.max_queue} waiting (max_queue={self.max_queue})")
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
@@ -119,9 +135,6 @@ class EngineThread:
             self._inbox.append(("add", stream))
             self._lock.notify()
         return request_id
-
-    def _free_slots(self) -> int:
-        return self.engine.pool.num_free_slots - sum(1 for kind, _ in self._inbox if kind == "add")
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -2,7 +2,7 @@
 
 - `SamplingParams`: what a request asks for (validated on construction).
 - `target_probs`: logits -> the distribution a request samples from (temperature, top-k, top-p);
-  temperature 0 is greedy and gives a point mass on the argmax.
+  a temperature below `GREEDY_BELOW` (0 included) is greedy and gives a point mass on the argmax.
 - `verify_draft`: the lossless speculative rule. Draft tokens `x_1..x_l` are checked against the
   target distributions `p_1..p_{l+1}`; token `x_k` is accepted with probability
   `min(1, p_k(x_k) / q_k(x_k))`; the first rejection is resampled from the normalised residual
@@ -16,12 +16,21 @@ in the batch.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 import torch
 
 from dspark_trt.errors import InvalidRequestError
+
+# Below this temperature sampling is greedy: logits / 1e-38 overflow float32 to inf, the softmax
+# turns into NaN and every "sample" is the last vocabulary id. At 1e-5 a 1-logit gap is already
+# e^100000 in probability, so greedy is the distribution such a temperature asks for. (vLLM's
+# _SAMPLING_EPS is the same 1e-5.)
+GREEDY_BELOW = 1e-5
+# What `torch.Generator.manual_seed` takes: any signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -39,20 +48,24 @@ class SamplingParams:
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature < math.inf):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                                      "temperature")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequestError(f"seed must be a 64-bit integer, in [{SEED_MIN}, {SEED_MAX}]", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def make_generator(self) -> torch.Generator:
         generator = torch.Generator()
