@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from dspark_trt.serving.protocol import DEFAULT_MAX_BODY_BYTES
+
 POLICY_HELP = ("Verification policy: none, fixed:K, threshold:H, dspark, dspark-lagged "
                "[default: dspark with a DSpark drafter, the whole block with other drafters, none without one].")
 
@@ -45,7 +47,8 @@ def runtime_options(command):
                           "default target, none for other targets)."),
         click.option("--policy", default=None, help=POLICY_HELP),
         click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="profile.json from `dspark-trt profile` (without one, a quick profile is measured at start)."),
+                     help="profile.json from `dspark-trt profile` (without one, a quick profile is measured at "
+                          "start)."),
         click.option("--max-batch-size", type=int, default=32, show_default=True,
                      help="Requests in the running batch (KV slots); more wait in the queue."),
         click.option("--max-model-len", type=int, default=2048, show_default=True,
@@ -62,7 +65,11 @@ def runtime_options(command):
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="DSPARK_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (also $DSPARK_API_KEY); /health and /metrics stay public.")
-@click.option("--max-queue", type=int, default=None, help="Most requests waiting for a slot; more get HTTP 429.")
+@click.option("--max-queue", type=int, default=None,
+              help="Most requests waiting for a slot: up to --max-batch-size running plus this many waiting are "
+                   "admitted, more get HTTP 429 [default: no limit].")
+@click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True,
+              help="Largest request body accepted; a larger one gets HTTP 413 before it is read.")
 @click.option("--served-model-name", default=None, help="The model name clients send (default: the target's name).")
 @click.option("--batch-invariant", is_flag=True,
               help="Each request's output is what it would be alone (bit-identical logits whatever is batched "
@@ -70,7 +77,7 @@ def runtime_options(command):
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, host, port,
-                  api_key, max_queue, served_model_name, batch_invariant, log_level):
+                  api_key, max_queue, max_body_bytes, served_model_name, batch_invariant, log_level):
     """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with in-flight batching.
 
     Give an ENGINE_DIR written by `dspark-trt build`, or choose --target/--drafter/--policy.
@@ -79,20 +86,23 @@ def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_s
 
     if max_queue is not None and max_queue < 0:
         raise click.BadParameter("must be >= 0", param_hint="--max-queue")
+    if max_body_bytes < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--max-body-bytes")
     llm = load_llm(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, batch_invariant)
     engine = llm.engine
     click.echo(f"serving {llm.target.name} with policy {engine.policy.name}"
                + (f", drafter {type(engine.proposer).__name__}" if engine.proposer else "")
                + f" on http://{host}:{port}", err=True)
     run_server(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, model_name=served_model_name,
-               log_level=log_level)
+               log_level=log_level, max_body_bytes=max_body_bytes)
 
 
 @click.command("profile")
 @click.option("--target", default="default", show_default=True, help="Target to measure.")
 @click.option("--drafter", default="auto", show_default=True,
               help="Drafter to measure (a folder, 'default', 'none', or 'auto').")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Where profile.json goes.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where profile.json goes.")
 @click.option("--max-batch-tokens", type=int, default=256, show_default=True,
               help="Largest target batch (tokens) to measure.")
 @click.option("--max-requests", type=int, default=32, show_default=True, help="Most requests to draft for.")

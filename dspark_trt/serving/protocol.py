@@ -1,22 +1,43 @@
-"""OpenAI request bodies (the fields we serve) and the error body, as pydantic models.
+"""OpenAI request bodies (the fields we serve) and the error body: JSON bytes in, a validated model out.
 
-Unknown fields are errors (HTTP 400), except a few OpenAI clients send that change nothing
-when left at their neutral value (`n=1`, `logprobs` off, zero penalties, `user`): silently
-ignoring a field the user set would be silent wrong output.
+- `decode_body`: bytes -> a JSON value, refusing what would later crash or mislead us: invalid
+  JSON (NaN and Infinity included), nesting deeper than `MAX_JSON_DEPTH` (Python's decoder would
+  hit its recursion limit, and so would any `repr` of it), integer literals longer than any field
+  needs (Python refuses past 4300 digits), numbers that overflow to inf, and strings with lone
+  UTF-16 surrogates (not text: the tokenizer cannot take them).
+- `parse_request`: a JSON value -> `CompletionRequest` / `ChatCompletionRequest`. The models are
+  strict (`"max_tokens": "4"`, `true`, `"stream": "yes"`, `"prompt": [false]` are errors, not
+  coerced) and unknown fields are errors, except a few OpenAI clients send that change nothing
+  at their neutral value (`n=1`, `logprobs` off, zero penalties, `user`): silently ignoring a
+  field the user set would be silent wrong output.
 
-This module only parses and shapes JSON; it never touches the engine.
+Every error is an `InvalidRequestError` whose `param` is the path of the offending value in the
+client's JSON (`messages.0.content.1.type`). This module only parses and shapes JSON; it never
+touches the engine.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dspark_trt.errors import InvalidRequestError
+from dspark_trt.runtime.sampling import SEED_MAX, SEED_MIN
 
-# Fields accepted only at the value that means "feature off".
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a 128k-token context fits, as text or as ids; 8 MB does not
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~5 deep; far below the decoder's recursion limit (~1000)
+MAX_INT_DIGITS = 40  # the longest integer we take is a 20-digit seed; Python refuses past 4300 digits
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_STOPS = 16  # OpenAI allows 4; every stop string is checked against the text at every step
+MAX_STOP_CHARS = 256
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# Fields accepted only at the value that means "feature off" (compared with the type too: `n: true`
+# equals 1 in Python, but it is not what a strict API takes).
 NEUTRAL_VALUES: dict[str, tuple] = {
     "n": (1, None),
     "logprobs": (None, False, 0),
@@ -34,22 +55,94 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 }
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body; `InvalidRequestError` for anything we could not serve safely."""
+    try:
+        value = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_refuse_constant)
+    except InvalidRequestError:
+        raise
+    except RecursionError:
+        raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past the digit limit
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+    check_json_value(value)
+    return value
+
+
+def _parse_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > MAX_INT_DIGITS:
+        raise InvalidRequestError(f"an integer literal has {len(literal.lstrip('-'))} digits; "
+                                  f"at most {MAX_INT_DIGITS} are allowed")
+    return int(literal)
+
+
+def _parse_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e999: Python reads inf, which no field takes
+        raise InvalidRequestError(f"the number {short_repr(literal)} is out of range")
+    return value
+
+
+def _refuse_constant(literal: str):
+    raise InvalidRequestError(f"{literal} is not valid JSON (Python's decoder accepts it; JSON does not)")
+
+
+def check_json_value(value: Any) -> None:
+    """Refuse nesting deeper than `MAX_JSON_DEPTH` and strings (keys too) with lone surrogates.
+
+    Iterative, so a deep value cannot exhaust the stack here either."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                                      json_path(path[:1]))
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise InvalidRequestError("a string holds a lone UTF-16 surrogate, which is not text",
+                                          json_path(path))
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                if _SURROGATE.search(key):
+                    raise InvalidRequestError("a key holds a lone UTF-16 surrogate, which is not text",
+                                              json_path(path))
+                stack.append((item, (*path, key)))
+        elif isinstance(node, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(node))
+
+
+def json_path(path) -> str | None:
+    """`("messages", 0, "content")` -> `"messages.0.content"` (None for the body itself)."""
+    return ".".join(str(part) for part in path) or None
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A repr that fits in an error message whatever the client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    # Bounds are checked by the validators below (in our words) and shown in the OpenAPI schema.
+    max_tokens: int | None = Field(None, description="tokens to generate; prompt + max_tokens must fit the context",
+                                   json_schema_extra={"minimum": 1})
+    temperature: float = Field(1.0, description="0 (or below 1e-5) is greedy",
+                               json_schema_extra={"minimum": 0, "maximum": MAX_TEMPERATURE})
+    top_p: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOPS} strings of at most "
+                                                           f"{MAX_STOP_CHARS} characters")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -72,36 +165,51 @@ class SamplingFields(BaseModel):
     @classmethod
     def _neutral_only(cls, value, info: ValidationInfo):
         allowed = NEUTRAL_VALUES[info.field_name]
-        if value not in allowed:
-            raise ValueError(f"unsupported field {info.field_name}={value!r}: this server supports only "
-                             f"{info.field_name}={allowed[-1]!r}")
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            neutral = next((a for a in allowed if a is not None), None)
+            raise ValueError(f"unsupported field {info.field_name}={short_repr(value)}: this server supports only "
+                             f"{info.field_name}={neutral!r}")
         return value
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream: true")
-        return self
+        return value
 
+    # Range errors in our words (the README and the tests name the ranges this way).
     @field_validator("max_tokens")
     @classmethod
     def _positive_max_tokens(cls, value):
-        if value is not None and value < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {value}")
-        return value
+        return _in_range(value, "max_tokens", lambda v: v is None or v >= 1, ">= 1")
 
     @field_validator("temperature")
     @classmethod
-    def _non_negative_temperature(cls, value):
-        if not value >= 0:
-            raise ValueError(f"temperature must be >= 0, got {value}")
-        return value
+    def _temperature_range(cls, value):
+        return _in_range(value, "temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, f">= 0 and <= {MAX_TEMPERATURE:g}")
 
     @field_validator("top_p")
     @classmethod
     def _top_p_range(cls, value):
-        if not 0 < value <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {value}")
+        return _in_range(value, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, value):
+        return _in_range(value, "seed", lambda v: v is None or SEED_MIN <= v <= SEED_MAX,
+                         f"a 64-bit integer, in [{SEED_MIN}, {SEED_MAX}]")
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"stop has {len(stops)} strings; at most {MAX_STOPS} are allowed")
+        for i, stop in enumerate(stops):
+            if not stop or len(stop) > MAX_STOP_CHARS:
+                raise InvalidRequestError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters, "
+                                          f"got {len(stop)}", "stop" if isinstance(value, str) else f"stop.{i}")
         return value
 
     @property
@@ -110,42 +218,70 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def output_limit(self) -> int | None:
+        """The requested number of output tokens (None: up to the context's end)."""
+        return self.max_tokens
+
+    @property
+    def output_limit_field(self) -> str:
+        """The field `output_limit` came from (what a too-long request's error names)."""
+        return "max_tokens"
+
+
+def _in_range(value, name: str, ok, wanted: str):
+    # `not ok(...)`, not a negated comparison: NaN fails every comparison, so it fails here.
+    if not ok(value):
+        raise ValueError(f"{name} must be {wanted}, got {short_repr(value)}")
+    return value
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(...)
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    prompt: str | list[int] = Field(..., description="text, or token ids")
+    max_tokens: int | None = Field(16, description="OpenAI's default for completions")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict]
-    name: str | None = None
+    content: str | list[TextPart]
+    name: str | None = Field(None, description="passed to the chat template; a 400 where the template ignores it")
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:  # OpenAI's content parts: only text here
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, description="the newer name of max_tokens")
 
-    @model_validator(mode="after")
-    def _messages_present(self):
-        if not self.messages:
+    @field_validator("messages")
+    @classmethod
+    def _messages_present(cls, value):
+        if not value:
             raise ValueError("messages must not be empty")
-        if self.max_completion_tokens is not None:
-            if self.max_completion_tokens < 1:
-                raise ValueError(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
-            self.max_tokens = self.max_completion_tokens
-        return self
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_output_limit(cls, value, info: ValidationInfo):
+        value = _in_range(value, "max_completion_tokens", lambda v: v is None or v >= 1, ">= 1")
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"max_tokens={other} and max_completion_tokens={value} disagree; give one of them")
+        return value
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def output_limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
@@ -155,16 +291,52 @@ def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        location = ".".join(str(part) for part in first.get("loc", ())) or None
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
-            message = f"unsupported field {location!r}"
-        elif first.get("type") == "missing":
-            message = f"missing required field {location!r}"
-        elif location and location not in message:
-            message = f"{location}: {message}"
-        raise InvalidRequestError(message, location) from None
+        raise _first_error(e.errors(), body) from None
+
+
+def _first_error(errors: list[dict], body: dict) -> InvalidRequestError:
+    # A union (`str | list[int]`) reports one error per member; the member that got deepest into
+    # the client's value is the one the client meant.
+    paths = [_client_path(body, error["loc"]) for error in errors]
+    field = paths[0][:1]
+    index = max((i for i, path in enumerate(paths) if path[:1] == field), key=lambda i: len(paths[i]))
+    error, location = errors[index], json_path(paths[index])
+    raised = (error.get("ctx") or {}).get("error")
+    if isinstance(raised, InvalidRequestError):  # a validator that knew the exact field
+        return InvalidRequestError(str(raised), raised.param or location)
+    message = error.get("msg", "invalid request").removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        message = f"unsupported field {location!r}"
+    elif error.get("type") == "missing":
+        message = f"missing required field {location!r}"
+    elif error.get("type", "").endswith("_type") or error.get("type") == "literal_error":
+        message = f"{location}: {message} (got {_json_type(error.get('input'))} {short_repr(error.get('input'))})"
+    elif location and location not in message:
+        message = f"{location}: {message}"
+    return InvalidRequestError(message, location)
+
+
+def _client_path(body: Any, loc: tuple) -> tuple:
+    """pydantic's error location without its union-member labels ('str', 'list[int]'): the path
+    of the value in the client's JSON, plus the name of a missing or unknown field at the end."""
+    path, node = [], body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and (part in node or i == len(loc) - 1):
+            path.append(part)
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+        # else: a union member's label, not a key of the client's JSON
+    return tuple(path)
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null"
 
 
 def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,

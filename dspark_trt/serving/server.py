@@ -7,10 +7,15 @@
     POST /v1/chat/completions  messages -> reply (the target's chat template)
 
 Every request goes to one `EngineThread`, so concurrent HTTP requests share each target step.
-A client that disconnects has its request cancelled (its KV slot is freed at the next step).
-Bad input gets HTTP 400 with OpenAI's error body; a full queue 429 and a draining server 503,
-both with Retry-After. SIGTERM stops accepting connections, lets in-flight requests finish,
-then stops the engine.
+A client that disconnects, streaming or not, has its request cancelled (its KV slot is freed at
+the next step). The event loop only moves bytes: decoding, validation and tokenisation run in a
+worker thread, so a big or slow request never holds up `/health` or other clients' tokens.
+
+Every error is OpenAI's error body, whatever raised it: 400 for bad input (protocol.py says
+what is refused, and why), 401 for a bad key, 404/405 for a wrong route or method, 413 for a
+body over `max_body_bytes`, 429 when every slot runs a request and `max_queue` more wait, 503
+while draining (both with Retry-After), 500 for our own bugs. SIGTERM stops accepting
+connections, lets in-flight requests finish, then stops the engine.
 
 Responses carry OpenAI's `usage`, plus a `dspark` object with the request's speculative
 statistics (steps, draft and accepted tokens, acceptance length tau).
@@ -27,14 +32,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as RouteError
+from starlette.requests import ClientDisconnect
 
 from dspark_trt.errors import DsparkError, InvalidRequestError
 from dspark_trt.runtime.engine_thread import EngineThread, QueueFullError, ShuttingDownError, StreamDelta
 from dspark_trt.runtime.llm import LLM
 from dspark_trt.runtime.sampling import SamplingParams
 from dspark_trt.serving.metrics import ServerMetrics
-from dspark_trt.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body, parse_request
+from dspark_trt.serving.protocol import (DEFAULT_MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest,
+                                         decode_body, error_body, parse_request)
 
 PUBLIC_PATHS = ("/health", "/metrics")
 
@@ -64,10 +74,12 @@ def usage_of(metrics: dict) -> dict:
 
 
 class Server:
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int | None = None):
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         self.engine_thread = EngineThread(llm.engine, max_queue=max_queue)
         self.metrics = ServerMetrics(self.engine_thread, model_name)
         self.engine_thread.on_step = self._observe_step
@@ -102,6 +114,18 @@ class Server:
         async def http_error(request: Request, exc: HTTPError):
             return exc.response()
 
+        @app.exception_handler(RouteError)
+        async def route_error(request: Request, exc: RouteError):  # unknown path, wrong method
+            where = f"{request.method} {request.url.path}"
+            message = {404: f"invalid URL ({where})", 405: f"method not allowed ({where})"}.get(
+                exc.status_code, f"{exc.detail} ({where})")
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+            return HTTPError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+        @app.exception_handler(Exception)
+        async def server_error(request: Request, exc: Exception):  # a bug of ours: still OpenAI's body
+            return HTTPError(500, f"internal server error ({type(exc).__name__})", "server_error").response()
+
         @app.get("/health")
         async def health():
             if self.engine_thread.draining:
@@ -117,56 +141,96 @@ class Server:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "dspark-trt"}]}
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
         async def completions(request: Request):
-            body = await self._parse(request, CompletionRequest)
-            prompt_ids = self._encode(lambda: self.llm.encode(body.prompt))
-            return await self._respond(request, body, prompt_ids, chat=False)
+            return await self._serve(request, chat=False)
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
         async def chat_completions(request: Request):
-            body = await self._parse(request, ChatCompletionRequest)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt_ids = self._encode(lambda: self.llm.encode_chat(messages))
-            return await self._respond(request, body, prompt_ids, chat=True)
+            return await self._serve(request, chat=True)
 
+        app.openapi = lambda: openapi_with_request_models(app)
         return app
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, model):
-        raw = await request.body()
+    async def _serve(self, request: Request, chat: bool):
+        raw = await self._read_body(request)
+        # Off the event loop: decoding a 2 MB body or tokenising a long prompt takes a while.
+        body, prompt_ids, params = await run_in_threadpool(self._prepare, raw, chat)
+        return await self._respond(request, body, prompt_ids, params, chat)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed `max_body_bytes` (from
+        Content-Length before reading a byte; counted while reading a chunked one)."""
+        too_large = HTTPError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
+                                   "bytes (serve --max-body-bytes)", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
         try:
-            decoded = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before it finished sending: nobody to answer
+            raise HTTPError(499, "client disconnected") from None
+        return b"".join(chunks)
+
+    def _prepare(self, raw: bytes, chat: bool):
+        """Body bytes -> (validated request, prompt token ids, sampling parameters); HTTPError 400
+        for anything wrong with them. Runs in a worker thread."""
         try:
-            body = parse_request(model, decoded)
+            body = parse_request(ChatCompletionRequest if chat else CompletionRequest, decode_body(raw))
         except InvalidRequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
         if body.model != self.model_name:
             raise HTTPError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                             param="model", code="model_not_found")
-        return body
-
-    @staticmethod
-    def _encode(encode) -> list[int]:
         try:
-            return encode()
+            prompt_ids = self._chat_prompt(body) if chat else self.llm.encode(body.prompt)
+            self.llm.engine.check_prompt(prompt_ids)
+            return body, prompt_ids, self._sampling_params(body, prompt_ids, chat)
         except InvalidRequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
 
-    def _sampling_params(self, body, prompt_ids: list[int]) -> SamplingParams:
-        room = self.llm.engine.context_length - len(prompt_ids)
-        max_tokens = body.max_tokens if body.max_tokens is not None else max(room, 1)
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template's token ids. A message's `name` goes to the template; where the template
+        has no place for it (it renders the same without), it is a 400 rather than dropped."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        named = [{**message, "name": m.name} if m.name is not None else message
+                 for message, m in zip(messages, body.messages)]
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  seed=body.seed, stop=body.stop_list)
-        except InvalidRequestError as e:
-            raise HTTPError(400, str(e), param=e.param) from None
+            if named != messages and getattr(self.llm.tokenizer, "chat_template", None):
+                if self._render_chat(named) == self._render_chat(messages):
+                    first = next(i for i, m in enumerate(body.messages) if m.name is not None)
+                    raise InvalidRequestError(f"the chat template of {self.model_name} has no place for a message's "
+                                              "name, so it would be ignored; leave it out", f"messages.{first}.name")
+                messages = named
+            return self.llm.encode_chat(messages)
+        except TemplateError as e:  # templates may refuse a conversation (e.g. roles out of order)
+            raise InvalidRequestError(f"the chat template refused these messages: {e}", "messages") from None
 
-    async def _respond(self, request: Request, body, prompt_ids: list[int], chat: bool):
-        params = self._sampling_params(body, prompt_ids)
+    def _render_chat(self, messages: list[dict]) -> str:
+        return self.llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _sampling_params(self, body, prompt_ids: list[int], chat: bool) -> SamplingParams:
+        context = self.llm.engine.context_length
+        max_tokens = body.output_limit
+        if max_tokens is None:
+            max_tokens = max(context - len(prompt_ids), 1)
+        elif len(prompt_ids) + max_tokens > context:  # vLLM's and OpenAI's answer, not a silent cap
+            what = "messages" if chat else "prompt"
+            raise InvalidRequestError(
+                f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max_tokens} "
+                f"were requested ({len(prompt_ids)} in the {what}, {max_tokens} in the completion); reduce the "
+                f"length of the {what} or {body.output_limit_field}", body.output_limit_field)
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              seed=body.seed, stop=body.stop_list)
+
+    async def _respond(self, request: Request, body, prompt_ids: list[int], params: SamplingParams, chat: bool):
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
         arrival = time.perf_counter()
@@ -188,19 +252,21 @@ class Server:
         return await self._collect(request, deltas, request_id, response_id, chat, timer)
 
     async def _collect(self, request: Request, deltas, request_id, response_id, chat, timer):
+        # Watch for the client leaving while we wait: tokens keep arriving every step, so only a
+        # listener of its own sees the disconnect in time (within a step, not at max_tokens).
+        watcher = asyncio.create_task(self._cancel_on_disconnect(request, request_id))
         pieces = []
-        while True:
-            try:
-                delta = await asyncio.wait_for(deltas.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():  # nobody is waiting: free the slot
-                    self.engine_thread.cancel(request_id)
-                    return JSONResponse(error_body("client disconnected"), 499)
-                continue
-            timer.observe(delta)
-            pieces.append(delta.text)
-            if delta.finished:
-                break
+        try:
+            while True:
+                delta = await deltas.get()
+                timer.observe(delta)
+                pieces.append(delta.text)
+                if delta.finished:
+                    break
+        finally:
+            watcher.cancel()
+        if delta.finish_reason == "abort":  # cancelled: the client has gone (or the server is stopping)
+            return JSONResponse(error_body("client disconnected"), 499)
         if delta.finish_reason == "error":
             raise HTTPError(500, f"generation failed: {delta.error}", "server_error")
         text = "".join(pieces)
@@ -255,6 +321,35 @@ class Server:
                 self.engine_thread.cancel(request_id)
 
 
+    async def _cancel_on_disconnect(self, request: Request, request_id: str) -> None:
+        # The body has been read, so the next ASGI message is the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.engine_thread.cancel(request_id)
+
+
+def request_body_schema(model) -> dict:
+    """OpenAPI `requestBody` of a route that parses its own body with `model` (see protocol.py)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def openapi_with_request_models(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models the routes name (they validate bodies themselves,
+    so that refusals are OpenAI's errors, not FastAPI's), for clients and schema fuzzers."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class _LatencyTimer:
     """Time to first token, inter-token latency and end-to-end latency of one request."""
 
@@ -278,11 +373,13 @@ class _LatencyTimer:
 
 
 def run_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               max_queue: int | None = None, model_name: str | None = None, log_level: str = "info") -> None:
+               max_queue: int | None = None, model_name: str | None = None, log_level: str = "info",
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Serve until SIGTERM/SIGINT; then drain in-flight requests and stop."""
     import uvicorn
 
-    server = Server(llm, model_name or llm.target.name, api_key=api_key, max_queue=max_queue)
+    server = Server(llm, model_name or llm.target.name, api_key=api_key, max_queue=max_queue,
+                    max_body_bytes=max_body_bytes)
     config = uvicorn.Config(server.app(), host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=None)
 
