@@ -113,7 +113,7 @@ def check_json_value(value: Any) -> None:
 
 def json_path(path) -> str | None:
     """`("messages", 0, "content")` -> `"messages.0.content"` (None for the body itself)."""
-    return ".".join(str(part) for part in path) or None
+    return ".".join(str(part) for part in path) if path else None
 
 
 def short_repr(value: Any, limit: int = 60) -> str:
@@ -297,7 +297,7 @@ def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
 def _first_error(errors: list[dict], body: dict) -> InvalidRequestError:
     # A union (`str | list[int]`) reports one error per member; the member that got deepest into
     # the client's value is the one the client meant.
-    paths = [_client_path(body, error["loc"]) for error in errors]
+    paths = [_client_path(body, error["loc"], error.get("type") in ("missing", "extra_forbidden")) for error in errors]
     field = paths[0][:1]
     index = max((i for i, path in enumerate(paths) if path[:1] == field), key=lambda i: len(paths[i]))
     error, location = errors[index], json_path(paths[index])
@@ -316,12 +316,13 @@ def _first_error(errors: list[dict], body: dict) -> InvalidRequestError:
     return InvalidRequestError(message, location)
 
 
-def _client_path(body: Any, loc: tuple) -> tuple:
+def _client_path(body: Any, loc: tuple, names_a_key: bool) -> tuple:
     """pydantic's error location without its union-member labels ('str', 'list[int]'): the path
-    of the value in the client's JSON, plus the name of a missing or unknown field at the end."""
+    of the value in the client's JSON, plus the missing or unknown key at the end (`names_a_key`)."""
     path, node = [], body
     for i, part in enumerate(loc):
-        if isinstance(node, dict) and isinstance(part, str) and (part in node or i == len(loc) - 1):
+        last = i == len(loc) - 1
+        if isinstance(node, dict) and isinstance(part, str) and (part in node or (last and names_a_key)):
             path.append(part)
             node = node.get(part)
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
