@@ -155,8 +155,12 @@ BAD_REQUESTS = [
      + b"}", "prompt", "nests deeper"),
     ("huge-int-seed", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "x", "seed": %s}' % (m.encode(), b"9" * 5000),
      None, "digits"),
-    ("huge-int-max-tokens", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "x", "max_tokens": %s}'
-     % (m.encode(), b"9" * 45), None, "digits"),
+    ("long-int-max-tokens", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "x", "max_tokens": %s}'
+     % (m.encode(), b"9" * 45), "max_tokens", "context length"),
+    ("raw-encoded-surrogate", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "a\xed\xa0\x80"}' % m.encode(),
+     None, "not UTF-8"),
+    ("utf-16-body", COMPLETIONS, lambda m: json.dumps({"model": m, "prompt": "x"}).encode("utf-16"), None,
+     "not UTF-8"),
     ("seed-past-64-bits", COMPLETIONS, lambda m: body_of(m, prompt="x", seed=2**64), "seed", "64-bit"),
     ("seed-below-64-bits", COMPLETIONS, lambda m: body_of(m, prompt="x", seed=-(2**63) - 1), "seed", "64-bit"),
     ("image-part", CHAT, lambda m: body_of(m, messages=[{"role": "user", "content": [
@@ -179,7 +183,7 @@ BAD_REQUESTS = [
     ("overflowing-float", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "x", "temperature": 1e999}'
      % m.encode(), None, "out of range"),
     ("invalid-utf8", COMPLETIONS, lambda m: b'{"model": "%s", "prompt": "\xff\xfe"}' % m.encode(), None,
-     "not valid JSON"),
+     "not UTF-8"),
     ("not-json", COMPLETIONS, lambda m: b"{model: x}", None, "not valid JSON"),
     ("empty-body", COMPLETIONS, lambda m: b"", None, "not valid JSON"),
     ("array-body", COMPLETIONS, lambda m: b"[]", None, "JSON object"),
