@@ -137,6 +137,22 @@ def test_a_message_name_reaches_a_template_that_uses_it(tiny_llm):
     assert "(ada)" in tokenizer.decode(ids)
 
 
+def test_a_bug_of_ours_is_a_500_with_openai_body(tiny_llm, monkeypatch):
+    from starlette.testclient import TestClient
+
+    server = Server(tiny_llm, "tiny")
+
+    def broken(raw, chat):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "_prepare", broken)
+    response = TestClient(server.app(), raise_server_exceptions=False).post(
+        "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "internal server error (RuntimeError)", "type": "server_error",
+                                        "param": None, "code": None}
+
+
 # ---- every hostile class against the real server ---------------------------------------------
 
 def body_of(model: str, **fields) -> bytes:
