@@ -1,0 +1,289 @@
+/* Our CPU kernels: y[M, N] (fp32) = x[M, K] (fp32) @ W (bf16, packed once) (+ bias) for any M,
+ * and causal attention over the KV pool, both batch invariant by construction.
+ *
+ * Why our own kernel: a decode or verification step multiplies 1-16 rows by every weight.
+ * A BLAS (OpenBLAS fp32, oneDNN bf16) re-packs or re-reads the weights per call and picks a
+ * kernel by the row count, so a step over 2-16 rows costs 1.5-3x a step over 1 row (measured,
+ * `benchmarks/matmul_kernels.py`). Here the weights are packed once, at load, so every call
+ * streams each weight byte once, whatever the row count, and each row's result comes from the
+ * same instruction sequence whatever the other rows are (batch invariant by construction).
+ *
+ * Numerics: weight-only bf16. Weights are widened to fp32 exactly (a bf16 is the top half of
+ * an fp32), activations stay fp32, and each output is one fp32 FMA chain over k = 0..K-1 in
+ * order. The weights' rounding to bf16 is the only difference with an fp32 matmul.
+ *
+ * Layout: W [K, N] as groups of 64 columns, each group contiguous: wp[group][k][64]
+ * (128 bytes per k: one stream per group, which hardware prefetchers follow). A tile of up to
+ * ROWS rows keeps ROWS x 4 accumulators of 16 floats in registers for the whole K loop.
+ * Threads split the groups; more rows are more tiles over the same group, re-read from L1/L2.
+ *
+ * Threads: our own small pool, not OpenMP. A step makes ~120 of these calls, each 0.05-5 ms.
+ * Waking sleeping threads for each (OpenMP with OMP_WAIT_POLICY=PASSIVE, which the runtime
+ * needs so that PyTorch's threads do not spin against numpy's BLAS threads) cost ~40 ms per
+ * step here; so our workers spin for a short while after each call (SPIN_NS) and only then
+ * sleep, without changing how PyTorch's or numpy's threads wait.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define GROUP 64   /* columns per group: 4 panels of 16 */
+#define ROWS 6     /* rows per tile: 6 x 4 accumulators + a weight and a broadcast register */
+#define PREFETCH 2048  /* elements ahead (4 KB) in the group's stream */
+
+static inline __m512 widen(const uint16_t *w) {  /* 16 bf16 -> 16 fp32, exact */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+}
+
+#define DEFINE_TILE(R)                                                                             \
+    static void tile_##R(const float *x, long ldx, const uint16_t *w, long K, float *y, long ldy,   \
+                         const __mmask16 *mask, const float *bias) {                               \
+        __m512 acc[4][R];                                                                          \
+        for (int p = 0; p < 4; p++)                                                                \
+            for (int r = 0; r < R; r++) acc[p][r] = _mm512_setzero_ps();                           \
+        for (long k = 0; k < K; k++) {                                                             \
+            const uint16_t *wk = w + k * GROUP;                                                    \
+            _mm_prefetch((const char *)(wk + PREFETCH), _MM_HINT_T0);                              \
+            _mm_prefetch((const char *)(wk + PREFETCH + 32), _MM_HINT_T0);                         \
+            for (int p = 0; p < 4; p++) {                                                          \
+                __m512 wv = widen(wk + 16 * p);                                                    \
+                for (int r = 0; r < R; r++)                                                        \
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, acc[p][r]);    \
+            }                                                                                      \
+        }                                                                                          \
+        for (int p = 0; p < 4; p++) {                                                              \
+            __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + 16 * p) : _mm512_setzero_ps(); \
+            for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + 16 * p, mask[p], _mm512_add_ps(acc[p][r], b)); \
+        }                                                                                          \
+    }
+
+DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(3) DEFINE_TILE(4) DEFINE_TILE(5) DEFINE_TILE(6)
+
+typedef void (*tile_fn)(const float *, long, const uint16_t *, long, float *, long, const __mmask16 *, const float *);
+static const tile_fn TILES[ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+
+typedef struct {
+    const float *x; long M, ldx; const uint16_t *wp; long K, N; float *y; long ldy; const float *bias;
+} gemm_args;
+
+/* Groups [first, last) of one call. */
+static void gemm_groups(const gemm_args *a, long first, long last) {
+    const float *x = a->x, *bias = a->bias;
+    long M = a->M, ldx = a->ldx, K = a->K, N = a->N, ldy = a->ldy;
+    for (long g = first; g < last; g++) {
+        __mmask16 mask[4];
+        for (int p = 0; p < 4; p++) {
+            long valid = N - g * GROUP - 16 * p;
+            mask[p] = valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1u);
+        }
+        const float *b = bias ? bias + g * GROUP : 0;
+        for (long r0 = 0; r0 < M; r0 += ROWS) {
+            long rows = M - r0 < ROWS ? M - r0 : ROWS;
+            TILES[rows](x + r0 * ldx, ldx, a->wp + g * K * GROUP, K, a->y + r0 * ldy + g * GROUP, ldy, mask, b);
+        }
+    }
+}
+
+/* ---- the pool ---------------------------------------------------------------------------- */
+
+#define MAX_THREADS 64
+#define SPIN_NS 500000L  /* a worker spins this long after a call before it sleeps */
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;   /* one call at a time */
+static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static int num_threads = 0;           /* workers + the caller; 0 = not started */
+static atomic_long generation = 0;    /* bumped once per call */
+static atomic_int finished = 0;       /* workers done with the current call */
+typedef void (*range_fn)(const void *ctx, long first, long last);
+static range_fn current_fn;
+static const void *current_ctx;
+static long current_count;
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void run_share(int index) {  /* contiguous, equal shares: thread i owns items [i*N/n, (i+1)*N/n) */
+    long first = current_count * index / num_threads, last = current_count * (index + 1) / num_threads;
+    current_fn(current_ctx, first, last);
+}
+
+static void *worker(void *arg) {
+    int index = (int)(long)arg;
+    long seen = atomic_load(&generation);
+    for (;;) {
+        long start = now_ns(), g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+            _mm_pause();
+            if ((++spins & 127) == 0 && now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&sleep_lock);
+                while ((g = atomic_load(&generation)) == seen) pthread_cond_wait(&wake, &sleep_lock);
+                pthread_mutex_unlock(&sleep_lock);
+                break;
+            }
+        }
+        seen = g;
+        run_share(index);
+        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+    }
+    return 0;
+}
+
+static void forget_pool_in_child(void) {  /* a forked child has none of the workers */
+    num_threads = 0;
+    pthread_mutex_init(&pool_lock, 0);
+    pthread_mutex_init(&sleep_lock, 0);
+    pthread_cond_init(&wake, 0);
+}
+
+/* Start the pool with `threads` threads in all (the caller is one); returns how many run. */
+int dspark_start_threads(int threads) {
+    static int atfork_registered = 0;
+    pthread_mutex_lock(&pool_lock);
+    if (num_threads == 0) {
+        if (!atfork_registered) {
+            pthread_atfork(0, 0, forget_pool_in_child);
+            atfork_registered = 1;
+        }
+        if (threads < 1) threads = 1;
+        if (threads > MAX_THREADS) threads = MAX_THREADS;
+        num_threads = 1;
+        for (int i = 1; i < threads; i++) {
+            pthread_t thread;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            /* workers read num_threads only inside calls, which start after this returns */
+            if (pthread_create(&thread, &attr, worker, (void *)(long)i) != 0) break;
+            pthread_attr_destroy(&attr);
+            num_threads++;
+        }
+    }
+    int started = num_threads;
+    pthread_mutex_unlock(&pool_lock);
+    return started;
+}
+
+/* Run fn(ctx, first, last) over [0, count) on the pool (on the caller alone when `count` is
+ * below `min_per_thread` per thread). Items are split in contiguous equal shares, so which thread
+ * computes an item never changes what it computes. */
+static void parallel_for(range_fn fn, const void *ctx, long count, long min_per_thread) {
+    pthread_mutex_lock(&pool_lock);
+    if (num_threads <= 1 || count < min_per_thread * num_threads) {
+        pthread_mutex_unlock(&pool_lock);
+        fn(ctx, 0, count);
+        return;
+    }
+    current_fn = fn;
+    current_ctx = ctx;
+    current_count = count;
+    atomic_store(&finished, 0);
+    pthread_mutex_lock(&sleep_lock);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&sleep_lock);
+    run_share(0);
+    while (atomic_load_explicit(&finished, memory_order_acquire) < num_threads - 1) _mm_pause();
+    pthread_mutex_unlock(&pool_lock);
+}
+
+static void gemm_range(const void *ctx, long first, long last) { gemm_groups((const gemm_args *)ctx, first, last); }
+
+/* x [M, K] fp32 (row stride ldx), wp packed [ceil(N/64)][K][64] bf16, y [M, N] (row stride ldy),
+ * bias [N] or NULL. */
+void dspark_bf16_gemm(const float *x, long M, long ldx, const uint16_t *wp, long K, long N, float *y, long ldy,
+                      const float *bias) {
+    gemm_args args = {x, M, ldx, wp, K, N, y, ldy, bias};
+    parallel_for(gemm_range, &args, (N + GROUP - 1) / GROUP, 2);
+}
+
+/* ---- attention ------------------------------------------------------------------------------
+ *
+ * Causal grouped-query attention of packed new tokens over the KV pool, one (token, head) at a
+ * time: token t of slot s at position p sees keys 0..p of its slot, exactly those (no padding,
+ * no masking), scores, softmax and the weighted sum of values each in one fixed order over
+ * keys. A token's output therefore depends on its query and its slot's keys/values only: not on
+ * how many tokens share the call, which feeds they belong to, or how a prompt was chunked
+ * (batch invariant by construction). fp32 throughout. */
+
+#define VALUE_CHUNKS 8  /* head dims up to 128 in one pass over the values */
+
+typedef struct {
+    const float *q; long ldq, heads, kv_heads, dim;
+    const float *keys, *values; long slot_stride, head_stride;  /* element strides of one layer's pool */
+    const long *slots, *positions; float scale; float *out; long ldo;
+} attention_args;
+
+static inline float dot(const float *a, const float *b, long dim) {
+    __m512 acc = _mm512_setzero_ps();
+    long d = 0;
+    for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    if (d < dim) {
+        __mmask16 m = (__mmask16)((1u << (dim - d)) - 1u);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void attention_range(const void *ctx, long first, long last) {
+    const attention_args *a = (const attention_args *)ctx;
+    long dim = a->dim, group = a->heads / a->kv_heads, capacity = 0;
+    float *scores = 0;
+    for (long item = first; item < last; item++) {
+        long t = item / a->heads, h = item % a->heads, length = a->positions[t] + 1;
+        if (length > capacity) {
+            free(scores);
+            capacity = length > 1024 ? length : 1024;
+            scores = (float *)malloc(sizeof(float) * capacity);
+        }
+        const float *q = a->q + t * a->ldq + h * dim;
+        long base = a->slots[t] * a->slot_stride + (h / group) * a->head_stride;
+        const float *k = a->keys + base, *v = a->values + base;
+        float best = -INFINITY;
+        for (long j = 0; j < length; j++) {
+            scores[j] = dot(q, k + j * dim, dim) * a->scale;
+            best = scores[j] > best ? scores[j] : best;
+        }
+        float total = 0.0f;
+        for (long j = 0; j < length; j++) {
+            scores[j] = expf(scores[j] - best);
+            total += scores[j];
+        }
+        float *o = a->out + t * a->ldo + h * dim;
+        for (long d0 = 0; d0 < dim; d0 += 16 * VALUE_CHUNKS) {  /* VALUE_CHUNKS independent FMA chains */
+            __m512 acc[VALUE_CHUNKS];
+            __mmask16 m[VALUE_CHUNKS];
+            for (int c = 0; c < VALUE_CHUNKS; c++) {
+                long left = dim - d0 - 16 * c;
+                m[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+                acc[c] = _mm512_setzero_ps();
+            }
+            for (long j = 0; j < length; j++) {
+                __m512 weight = _mm512_set1_ps(scores[j]);
+                for (int c = 0; c < VALUE_CHUNKS; c++)
+                    acc[c] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), acc[c]);
+            }
+            for (int c = 0; c < VALUE_CHUNKS; c++)
+                _mm512_mask_storeu_ps(o + d0 + 16 * c, m[c], _mm512_div_ps(acc[c], _mm512_set1_ps(total)));
+        }
+    }
+    free(scores);
+}
+
+/* q [T, heads * dim] (row stride ldq); keys/values point at one layer of the pool
+ * ([slots][kv_heads][capacity][dim]); slots/positions [T]; out [T, heads * dim] (row stride ldo). */
+void dspark_attention(const float *q, long T, long ldq, long heads, long kv_heads, long dim, const float *keys,
+                      const float *values, long slot_stride, long head_stride, const long *slots,
+                      const long *positions, float scale, float *out, long ldo) {
+    attention_args args = {q, ldq, heads, kv_heads, dim, keys, values, slot_stride, head_stride, slots, positions,
+                           scale, out, ldo};
+    parallel_for(attention_range, &args, T * heads, 4);
+}

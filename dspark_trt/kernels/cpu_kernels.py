@@ -1,0 +1,176 @@
+"""Our CPU kernels (`cpu_kernels.c`): fp32 rows times bf16 weights packed once, and attention.
+
+What it owns: compiling the C kernels with the system's `gcc` (once per kernel source and
+compiler, cached under `$DSPARK_TRT_CACHE/kernels`), packing a weight into the kernel's layout,
+and the call. What it does not: deciding when to use it (`models/linear.py` does).
+
+Why: measured on this project's 2-core CPUs (SmolLM2-135M's 121 matrices plus the LM head),
+one step over 1 / 2 / 8 / 16 rows cost 22 / 53 / 55 / 69 ms in fp32 through numpy's OpenBLAS
+and 37 / 36 / 46 / 68 ms in bf16 through oneDNN with pre-packed weights (`_linear_pointwise`):
+neither is flat in the row count, and oneDNN at one row is far from the memory-bandwidth
+floor. This kernel reads every weight byte once per call whatever the row count, so
+verifying a block costs about what decoding one token costs (`benchmarks/matmul_kernels.py`).
+The attention kernel computes each (token, head) over exactly its visible keys in one fixed
+order, so it too is batch invariant (and it avoids ~0.1 ms of thread wake-up per small torch
+matmul in a decode step).
+
+Numerics: weight-only bf16. The weights are rounded to bf16 once; activations stay fp32 and
+each output is one fp32 FMA chain over k in order. A row's result never depends on the other
+rows (batch invariant by construction), nor on the number of threads (each thread owns whole
+columns).
+
+Needs x86-64 with avx512_bf16 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and
+later) and `gcc`; `available()` says why not otherwise, and callers fall back to oneDNN.
+Set `DSPARK_TRT_BF16_KERNEL=off` to force that fallback (for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-pthread", "-shared", "-fPIC"]
+GROUP_COLUMNS = 64  # the matmul kernel's column group (cpu_kernels.c)
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_unavailable_reason: str | None = None
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags.split()
+
+
+def _cache_dir() -> Path:
+    from dspark_trt.models.loading import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _compile(compiler: str) -> Path:
+    """Build the shared library once per (source, compiler, flags); atomic, so concurrent
+    processes never load a half-written file."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256((SOURCE.read_text() + version + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"cpu_kernels-{key}.so"
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as staging:
+        built = Path(staging) / library.name
+        result = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
+        os.replace(built, library)
+    return library
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _unavailable_reason
+    with _lock:
+        if _library is not None or _unavailable_reason is not None:
+            return _library
+        if os.environ.get("DSPARK_TRT_BF16_KERNEL", "").lower() in ("off", "0", "false", "no"):
+            _unavailable_reason = "turned off by DSPARK_TRT_BF16_KERNEL"
+        elif not _cpu_has_avx512_bf16():
+            _unavailable_reason = "this CPU has no avx512_bf16"
+        elif (compiler := shutil.which(os.environ.get("CC", "gcc"))) is None:
+            _unavailable_reason = "no C compiler (gcc) to build it"
+        else:
+            try:
+                library = ctypes.CDLL(str(_compile(compiler)))
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                _unavailable_reason = f"it did not build: {exc}"
+            else:
+                void, long_ = ctypes.c_void_p, ctypes.c_long
+                library.dspark_bf16_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
+                library.dspark_bf16_gemm.restype = None
+                library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
+                                                     void, void, ctypes.c_float, void, long_]
+                library.dspark_attention.restype = None
+                library.dspark_start_threads.argtypes = [ctypes.c_int]
+                library.dspark_start_threads.restype = ctypes.c_int
+                library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
+                _library = library
+        return _library
+
+
+def available() -> bool:
+    """Whether the kernel runs here (compiles it on first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None when it is True)."""
+    _load()
+    return _unavailable_reason
+
+
+class PackedWeight:
+    """A weight `[in, out]` rounded to bf16 in the kernel's layout `[ceil(out / 64), in, 64]`."""
+
+    def __init__(self, weight_t: torch.Tensor):
+        in_features, out_features = weight_t.shape
+        self.in_features, self.out_features = in_features, out_features
+        groups = -(-out_features // GROUP_COLUMNS)
+        padded = torch.zeros(in_features, groups * GROUP_COLUMNS, dtype=torch.bfloat16)
+        padded[:, :out_features] = weight_t.detach().to(torch.bfloat16)
+        self.data = padded.view(in_features, groups, GROUP_COLUMNS).transpose(0, 1).contiguous()
+
+    def unpack(self) -> torch.Tensor:
+        """The bf16 weight `[in, out]` this holds (for readers that need it dense)."""
+        return self.data.transpose(0, 1).reshape(self.in_features, -1)[:, : self.out_features]
+
+    def num_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [rows, in]` (fp32, CPU) @ weight (+ bias `[out]`) -> `[rows, out]` fp32. Needs `available()`."""
+    rows, in_features = x.shape
+    if in_features != weight.in_features:
+        raise ValueError(f"x has {in_features} columns but the weight has {weight.in_features} rows")
+    if x.stride(1) != 1 or x.dtype != torch.float32:
+        x = x.float().contiguous()
+    out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    if rows:
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+        _library.dspark_bf16_gemm(x.data_ptr(), rows, x.stride(0), weight.data.data_ptr(), in_features,
+                                  weight.out_features, out.data_ptr(), weight.out_features,
+                                  None if bias is None else bias.data_ptr())
+    return out
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention of new tokens over one layer of the KV pool, each token on its own.
+
+    q `[tokens, heads, dim]` fp32; keys/values `[slots, kv_heads, capacity, dim]` contiguous fp32
+    (one layer of a `KVPool`, already holding the new tokens' keys/values); slots/positions
+    `[tokens]` contiguous int64: token t sees keys `0 .. positions[t]` of slot `slots[t]`, and the
+    caller guarantees `positions < capacity` (`AttentionPlan` checks it once per forward pass:
+    this runs once per layer). Returns `[tokens, heads * dim]`.
+    """
+    tokens, heads, dim = q.shape
+    _, kv_heads, capacity, _ = keys.shape
+    q = q.contiguous()
+    out = torch.empty(tokens, heads * dim, dtype=torch.float32)
+    _library.dspark_attention(q.data_ptr(), tokens, heads * dim, heads, kv_heads, dim, keys.data_ptr(),
+                              values.data_ptr(), kv_heads * capacity * dim, capacity * dim, slots.data_ptr(),
+                              positions.data_ptr(), dim ** -0.5, out.data_ptr(), heads * dim)
+    return out
