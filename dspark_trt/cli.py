@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from dspark_trt import __version__
+from dspark_trt.cli_options import dtype_option
 from dspark_trt.errors import DsparkError
 
 
@@ -53,13 +54,14 @@ def main():
 @click.option("--chat/--raw", default=True, show_default=True,
               help="Wrap the prompt in the target's chat template, or feed it as raw text.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "metrics"} as JSON.')
-def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, seed, stop, chat, as_json):
+@dtype_option
+def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, seed, stop, chat, as_json, dtype):
     """Generate a completion for one prompt and report acceptance statistics."""
     from dspark_trt import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=list(stop))
-    llm = LLM(target=target, drafter=drafter)
+    llm = LLM(target=target, drafter=drafter, dtype=dtype)
     use_chat = chat and bool(getattr(llm.tokenizer, "chat_template", None))
     output = llm.generate([prompt], params, chat=use_chat)[0]
     if as_json:
@@ -117,8 +119,9 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
               help="I/N: generate only prompts I, I+N, I+2N, ... (N processes sharing a GPU, each with its own "
                    "--output; concatenate the files afterwards).")
 @device_option("the target generates (sampling and the written rows stay on the CPU)")
+@dtype_option
 def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, temperatures, batch_size, seed,
-            features_dir, feature_layers, shard, device):
+            features_dir, feature_layers, shard, device, dtype):
     """Regenerate responses to training prompts with the target itself (self-distillation data)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
@@ -133,7 +136,9 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
         raise click.BadParameter(f"expected I/N with 0 <= I < N, got {shard!r}", param_hint="--shard")
     device = parse_device(device)
     prompts = interleave([load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs])
-    loaded = load_target(target)
+    from dspark_trt.models.linear import resolve_dtype
+
+    loaded = load_target(target, resolve_dtype(dtype, device))  # the serving dtype: what drafts are verified against
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
@@ -270,8 +275,9 @@ def calibrate(drafter_path, data_path, features_dir, target):
 @click.option("--no-plain", is_flag=True, help="Skip the plain-decoding comparison run.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the JSON here.")
 @device_option("the target runs (the drafter runs on the CPU, as beside a TensorRT engine)")
+@dtype_option
 def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, max_tokens, seed, batch_size, policy,
-                     no_plain, output, device):
+                     no_plain, output, device, dtype):
     """Measure acceptance length (tau), per-position acceptance and speed-up on a dataset."""
     from dspark_trt import LLM, SamplingParams
     from dspark_trt.training.evaluate import evaluate
@@ -279,12 +285,14 @@ def evaluate_command(drafter_spec, target, dataset, num_prompts, temperature, ma
 
     base = SamplingParams(max_tokens=max_tokens, temperature=temperature)  # validates before loading models
     device = parse_device(device)
-    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1), policy=policy, device=device)
+    llm = LLM(target=target, drafter=drafter_spec, max_batch_size=max(batch_size, 1), policy=policy, device=device,
+              dtype=dtype)
     prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, num_prompts)]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, seed=seed + i)
               for i in range(len(prompts))]
     result = {"dataset": dataset, "drafter": str(drafter_spec), "drafter_kind": llm.engine.proposer.drafter.config.kind,
-              "target": llm.target.name, "device": str(device), "policy": policy, "temperature": temperature,
+              "target": llm.target.name, "device": str(device), "dtype": llm.dtype, "policy": policy,
+              "temperature": temperature,
               "max_tokens": max_tokens, "seed": seed,
               **evaluate(llm, prompts, params, batch_size, compare_plain=not no_plain)}
     text = json.dumps(result, indent=2)

@@ -84,6 +84,10 @@ class BuildConfig(Strict):
     target: str = "default"  # 'default', a Hugging Face folder, a .gguf file, or 'tiny-random'
     drafter: str | None = "default"  # a drafter checkpoint folder, 'default', 'tiny-random', or null
     block_size: int | None = Field(default=None, ge=1)  # when set, the drafter's block size must equal it
+    # Weights of the PyTorch CPU backend (what serves when no TensorRT engine is built; its latency
+    # profile is measured in it): auto = bfloat16 where our bf16 kernel runs, else float32. The
+    # ONNX graphs are exported in fp32 either way (TensorRT picks its own precision: engines.precision).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     opset: int = Field(default=20, ge=17)
     exporter: Literal["dynamo", "torchscript"] = "dynamo"  # torch.export, or the legacy (faster, deprecated) tracer
     target_shapes: TargetShapes = TargetShapes()

@@ -22,6 +22,7 @@ from dspark_trt.builder.tiny import tiny_drafter_folder, tiny_target_folder
 from dspark_trt.cli import main
 from dspark_trt.config import ConfigError, load_build_config
 from dspark_trt.models.drafter_io import load_drafter
+from dspark_trt.models.linear import dtype_name, resolve_dtype
 from dspark_trt.models.loading import load_target
 from dspark_trt.runtime.engine_dir import (
     FORMAT_VERSION,
@@ -160,7 +161,11 @@ def test_onnxruntime_matches_torch_on_fresh_inputs(built, tiny_models):
 def test_manifest_and_profile_round_trip(built, tmp_path):
     engine = open_engine_dir(built[0])
     profile = engine.load_profile()
-    assert profile.backend == "torch-cpu" and profile.device == engine.manifest["device"]
+    # The CPU backend's profile names the dtype it was measured in, which the manifest records.
+    dtype = engine.manifest["dtype"]
+    assert dtype == dtype_name(resolve_dtype(load_build_config("tiny").dtype))
+    assert profile.backend == ("torch-cpu" if dtype == "float32" else f"torch-cpu-{dtype}")
+    assert profile.device == engine.manifest["device"]
     assert profile.drafter_num_requests and all(s > 0 for s in profile.target_step_seconds)
     profile.save(tmp_path / "p.json")
     again = LatencyProfile.load(tmp_path / "p.json")

@@ -225,6 +225,9 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
             if drafter is not None:
                 files["drafter_engine"] = "engines/drafter.plan"
     backend = "tensorrt" if engines.get("built") else "torch-cpu"
+    runtime_dtype = "float32"
+    if backend == "torch-cpu":  # from here on the models are the CPU backend: its weights' dtype
+        runtime_dtype = use_runtime_dtype(config, target, drafter)
 
     with step("profile", f"latency of the {backend} backend"):
         if config.profile.measure:
@@ -250,7 +253,22 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
 
             trtllm = write_trtllm_layout(staging, target, drafter, staging / PROFILE if "profile" in files else None)
             files["trtllm"] = "trtllm"
-        return _manifest(config, target, target_spec, drafter_entry, backend, engines, files, checks, trtllm)
+        return _manifest(config, target, target_spec, drafter_entry, backend, runtime_dtype, engines, files, checks,
+                         trtllm)
+
+
+def use_runtime_dtype(config: BuildConfig, target, drafter) -> str:
+    """Switch the exported (fp32) models to the CPU backend's dtype; return its name."""
+    import torch
+
+    from dspark_trt.models.linear import dtype_name, resolve_dtype, use_bf16_weights
+
+    dtype = resolve_dtype(config.dtype, "cpu")
+    if dtype == torch.bfloat16:
+        use_bf16_weights(target.model)
+        if drafter is not None:
+            drafter.use_bf16_weights()
+    return dtype_name(dtype)
 
 
 def measure_profile(config: BuildConfig, target, drafter, staging: Path, backend: str, progress):
@@ -270,7 +288,10 @@ def measure_profile(config: BuildConfig, target, drafter, staging: Path, backend
     profile = measure_latency_profile(target, proposer, max_batch_tokens=p.max_batch_tokens,
                                       max_requests=p.max_requests, quick=p.quick,
                                       progress=lambda line: progress(f"      {line}"))
-    profile.backend, profile.device = backend, current_device(backend)
+    if backend == "tensorrt":
+        profile.backend, profile.device = backend, current_device(backend)
+    else:  # the PyTorch backend names its dtype: a profile only holds for the dtype it was measured in
+        profile.device = current_device(backend)
     return profile
 
 
@@ -293,7 +314,8 @@ def _summarise_validation(checks: dict, progress) -> None:
                                + json.dumps({k: checks[k] for k in ("target", "drafter") if k in checks})[:1500])
 
 
-def _manifest(config, target, target_spec, drafter_entry, backend, engines, files, checks, trtllm) -> dict:
+def _manifest(config, target, target_spec, drafter_entry, backend, runtime_dtype, engines, files, checks,
+              trtllm) -> dict:
     c = target.config
     return {
         "format_version": FORMAT_VERSION,
@@ -301,7 +323,7 @@ def _manifest(config, target, target_spec, drafter_entry, backend, engines, file
         "name": config.name,
         "backend": backend,
         "device": current_device(backend),
-        "dtype": "float32",
+        "dtype": runtime_dtype,  # the PyTorch CPU backend's weights (TensorRT: engines.precision)
         "target": {"spec": target_spec, "name": target.name, "architecture": c.architecture,
                    "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_layers": c.num_layers,
                    "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim},

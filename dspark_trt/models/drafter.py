@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.linear import DraftLinear, matmul
+from dspark_trt.models.linear import DraftLinear, PackedCache, bf16_matmul, matmul, use_bf16_weights
 from dspark_trt.models.target import apply_rope, rms_norm
 
 
@@ -153,11 +153,25 @@ class DrafterBase(nn.Module):
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
         self.embed: torch.Tensor | None = None  # [target_vocab, d]
         self.lm_head_t: torch.Tensor | None = None  # [d, draft_vocab]
+        self.bf16_lm_head: PackedCache | None = None  # set by `use_bf16_weights`
+
+    def use_bf16_weights(self) -> "DrafterBase":
+        """Inference with bf16 weights and fp32 activations (`models/linear.py`), LM head included."""
+        use_bf16_weights(self)
+        self.bf16_lm_head = PackedCache()
+        return self
+
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., d]` -> logits over the draft vocabulary `[..., V_d]`."""
+        if self.bf16_lm_head is not None and not torch.is_grad_enabled():
+            return bf16_matmul(hidden, self.lm_head_t, self.bf16_lm_head)
+        return matmul(hidden, self.lm_head_t)
 
     def attach_target(self, target_model) -> "DrafterBase":
         """Borrow the target's embedding and the draft-vocabulary rows of its LM head."""
         self.embed = target_model.embed.detach()
-        self.lm_head_t = target_model.lm_head.weight_t.detach()[:, self.draft_vocab].contiguous()
+        # fp32 whatever the target's weights are: training and export read it as such.
+        self.lm_head_t = target_model.lm_head.weight_t.detach()[:, self.draft_vocab].float().contiguous()
         if self.final_norm.weight.data.eq(1).all():  # fresh drafter: start from the target's final norm
             self.final_norm.weight.data.copy_(target_model.final_norm.detach())
         return self
@@ -244,7 +258,7 @@ class DSparkDrafter(DrafterBase):
 
     def backbone_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """U: `[..., d]` -> `[..., draft_vocab]`."""
-        return matmul(hidden, self.lm_head_t)
+        return self.lm_head_logits(hidden)
 
     # ---- the heads ---------------------------------------------------------------------------
 

@@ -51,6 +51,8 @@ class EagleDrafter(DrafterBase):
         return self.layer(x, cos, sin, context_keys, context_values, mask, return_kv=True)
 
     def logits(self, output: torch.Tensor) -> torch.Tensor:
+        if self.bf16_lm_head is not None:  # bf16 inference (`use_bf16_weights`)
+            return self.lm_head_logits(self.final_norm(output))
         return self.final_norm(output) @ self.lm_head_t
 
     def next_feature(self, output: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A frozen linear layer that runs its matmul on the fastest CPU BLAS at hand.
+"""Frozen and draft linear layers, and the matmul each runs on the fastest CPU path at hand.
 
 Measured on a 2-core AMD EPYC (AVX2) machine, SmolLM2-135M's 121 weight matrices, cold cache,
 fp32 (ms per pass over all of them):
@@ -62,14 +62,89 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _matmul(x, weight)
 
 
+# ---- bf16 weights, fp32 activations ----------------------------------------------------------
+#
+# `--dtype bfloat16` means: every weight matrix is rounded to bf16 once, everything else
+# (activations, norms, attention, softmax, the KV cache) stays fp32. On CPU the products run
+# through our packed kernel (`kernels/cpu_kernels.py`), which streams each weight once per call
+# whatever the row count and is batch invariant by construction; without it (no avx512_bf16,
+# no compiler, a GPU tensor) through torch in bf16 (oneDNN on CPU).
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+DEFAULT_DTYPE = "auto"
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """A `--dtype` choice -> the target's weight dtype.
+
+    `auto` (the default) is bfloat16 on a CPU where our bf16 kernel runs (it is faster there at
+    every row count, measured: `benchmarks/matmul_kernels.py`) and float32 elsewhere: through
+    oneDNN a 1-row bf16 step cost 1.7x an fp32 one on the same CPU, and on a GPU the PyTorch
+    target keeps its fp32 behaviour unless asked. float32 is also the parity oracle against
+    transformers.
+    """
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    if name == "auto":
+        from dspark_trt.kernels import cpu_kernels
+
+        return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_kernels.available() else torch.float32
+    return torch.float32 if name == "float32" else torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class PackedCache:
+    """The kernel's packed copy of one weight, rebuilt only when the weight changes."""
+
+    def __init__(self):
+        self._key = None
+        self._packed = None
+
+    def get(self, weight_t: torch.Tensor):
+        """`weight_t` `[in, out]` (a view is fine) -> its `PackedWeight`."""
+        key = (weight_t.data_ptr(), weight_t._version, tuple(weight_t.shape), weight_t.stride(), weight_t.device)
+        if key != self._key:
+            from dspark_trt.kernels.cpu_kernels import PackedWeight
+
+            self._packed, self._key = PackedWeight(weight_t), key
+        return self._packed
+
+
+def bf16_matmul(x: torch.Tensor, weight_t: torch.Tensor, cache: PackedCache,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [..., in]` @ `weight_t [in, out]` rounded to bf16 (+ bias), in x's dtype."""
+    from dspark_trt.kernels import cpu_kernels
+
+    if x.is_cpu and x.dtype == torch.float32 and not torch.is_grad_enabled() and cpu_kernels.available():
+        rows = x.reshape(-1, x.shape[-1])
+        return cpu_kernels.matmul(rows, cache.get(weight_t), bias).view(*x.shape[:-1], weight_t.shape[1])
+    weight = weight_t.to(torch.bfloat16)
+    low = x.to(torch.bfloat16)
+    if in_row_by_row_mode() and low.dim() == 2 and low.shape[0] > 1:  # oneDNN picks kernels by rows
+        y = torch.cat([low[i : i + 1] @ weight for i in range(low.shape[0])])
+    else:
+        y = low @ weight
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias
+
+
 class FrozenLinear(nn.Module):
+    """A frozen `[in, out]` weight: fp32 through `matmul`, or bf16 through `bf16_matmul`."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight_t = nn.Parameter(torch.zeros(in_features, out_features))  # [in, out]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self._packed = PackedCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
+        if self.weight_t.dtype == torch.bfloat16 and x.dtype != torch.bfloat16:
+            return bf16_matmul(x, self.weight_t, self._packed, self.bias)
         y = matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias
 
@@ -80,11 +155,31 @@ class DraftLinear(nn.Linear):
     Drafters train with autograd, so their weights stay `[out, in]` `nn.Linear` parameters (and
     checkpoints keep their names). At inference torch's default small-M SGEMM is the slow MKL
     one of the table above: a DSpark backbone layer on a block of 7 rows took 5.9 ms
-    through it and 1.6 ms through OpenBLAS.
+    through it and 1.6 ms through OpenBLAS. With `bf16_weights` set (`use_bf16_weights`),
+    inference runs through `bf16_matmul` on a bf16 copy; training keeps the fp32 weights.
     """
+
+    bf16_weights = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or self.bias is not None:
             return super().forward(x)
+        if self.bf16_weights:
+            if not hasattr(self, "_packed"):
+                self._packed = PackedCache()
+            return bf16_matmul(x, self.weight.t(), self._packed)
         rows = x.reshape(-1, x.shape[-1])  # [rows, in]: one GEMM (and row by row when batch invariant)
         return matmul(rows, self.weight.t()).view(*x.shape[:-1], self.out_features)
+
+
+def use_bf16_weights(module: nn.Module) -> None:
+    """Run every linear layer under `module` with bf16 weights and fp32 activations (inference).
+
+    `FrozenLinear` weights are converted in place (they are never trained); `DraftLinear` ones
+    keep their fp32 master copy and use a bf16 one for inference.
+    """
+    for layer in module.modules():
+        if isinstance(layer, FrozenLinear):
+            layer.weight_t.data = layer.weight_t.data.to(torch.bfloat16)
+        elif isinstance(layer, DraftLinear):
+            layer.bf16_weights = True

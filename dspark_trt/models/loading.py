@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dspark_trt.errors import ModelLoadError
+from dspark_trt.models.linear import use_bf16_weights
 from dspark_trt.models.target import TargetModel
 from dspark_trt.models.target_config import TargetConfig
 
@@ -146,10 +147,13 @@ def eos_ids_of(folder: Path, config: TargetConfig, tokenizer) -> frozenset[int]:
 
 
 def load_target(spec: str | os.PathLike = "default", dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    """`dtype`: float32, or bfloat16 = bf16 weight matrices with fp32 activations (`models/linear.py`)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     name, folder = resolve_target(spec)
     config = TargetConfig.from_folder(folder)
     state = read_safetensors(folder)
-    model = TargetModel(config).to(dtype)
+    model = TargetModel(config)
     try:
         model.load_hf_state_dict(state)
     except KeyError as missing:
@@ -157,5 +161,7 @@ def load_target(spec: str | os.PathLike = "default", dtype: torch.dtype = torch.
     except RuntimeError as exc:  # shape mismatch between config.json and weights
         raise ModelLoadError(f"weights in {folder} do not match its config.json: {exc}") from None
     model.eval().requires_grad_(False)
+    if dtype == torch.bfloat16:
+        use_bf16_weights(model)
     tokenizer = load_tokenizer(folder)
     return LoadedTarget(name, folder, config, model, tokenizer, eos_ids_of(folder, config, tokenizer))

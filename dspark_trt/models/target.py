@@ -10,7 +10,8 @@ It returns logits only at the packed positions asked for (computing the 49k-wide
 every prefill position would dominate prefill), and the hidden states of the requested layers
 (the drafter's features). It does not sample, schedule or own caches: see `runtime/`.
 
-Linear layers are `FrozenLinear`: the fastest CPU kernel for the number of rows (see there).
+Linear layers are `FrozenLinear`: fp32 through the fastest CPU BLAS, or bf16 weights through
+our packed kernel (see `linear.py`). Everything else (norms, attention, the KV cache) is fp32.
 """
 
 from __future__ import annotations
@@ -106,9 +107,12 @@ class AttentionPlan:
     `grouped_attention` one by one, so one long prompt does not pad every other request's queries.
     """
 
-    def __init__(self, caches: list[KVCache], num_new_tokens: list[int], per_token: bool = False):
+    def __init__(self, caches: list[KVCache], num_new_tokens: list[int], per_token: bool = False,
+                 use_kernel: bool = False):
         """`per_token`: every query attends on its own (batch-invariant mode: a token's result
-        then depends only on its keys, not on how many tokens or requests share the pass)."""
+        then depends only on its keys, not on how many tokens or requests share the pass).
+        `use_kernel`: every token attends through our CPU kernel (`kernels/cpu_kernels.c`): on
+        its own too, by construction, and at full speed (the bf16 target's path)."""
         if len({id(c.pool) for c in caches}) > 1:
             raise ValueError("all caches of one forward pass must come from the same KVPool")
         for cache, count in zip(caches, num_new_tokens):
@@ -123,6 +127,13 @@ class AttentionPlan:
         self.slot_index = torch.cat([torch.full((n,), c.slot) for c, n in zip(caches, num_new_tokens)])
         self.max_position = max(c.length + n for c, n in zip(caches, num_new_tokens)) - 1
 
+        self.use_kernel = use_kernel
+        self.single_feeds, self.short_rows, self.per_token = [], None, per_token
+        if use_kernel:  # one call for every token: no batching, padding or masks to plan
+            if self.pool.keys.dtype != torch.float32 or not self.pool.keys.is_contiguous():
+                raise ValueError("the attention kernel needs a contiguous fp32 KV pool")
+            self.slot_index, self.positions = self.slot_index.contiguous(), self.positions.contiguous()
+            return
         feeds = list(zip(starts, num_new_tokens, caches))
         short = [(start, count, cache) for start, count, cache in feeds if count <= MAX_BATCHED_FEED]
         # Per-token mode attends query by query; otherwise a few short feeds cost more to pad and
@@ -163,6 +174,10 @@ class AttentionPlan:
         pool = self.pool
         pool.keys[layer][self.slot_index, :, self.positions] = k
         pool.values[layer][self.slot_index, :, self.positions] = v
+        if self.use_kernel:
+            from dspark_trt.kernels import cpu_kernels
+
+            return cpu_kernels.attention(q, pool.keys[layer], pool.values[layer], self.slot_index, self.positions)
         tokens, heads, head_dim = q.shape
         out = q.new_empty(tokens, heads * head_dim)
         if self.short_rows is not None:
@@ -280,7 +295,7 @@ class TargetModel(nn.Module):
         """
         if len(num_new_tokens) != len(caches) or sum(num_new_tokens) != token_ids.shape[0]:
             raise ValueError("num_new_tokens must give one count per cache and sum to len(token_ids)")
-        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant)
+        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant, use_kernel=self._kernel_attention())
         positions = plan.positions
         cos_table, sin_table = self._rope_tables(plan.max_position + 1)
         cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [tokens, 1, head_dim]
@@ -341,6 +356,20 @@ class TargetModel(nn.Module):
                 gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
                 layer.gate_up.weight_t.copy_(gate_up.t())
                 layer.down.weight_t.copy_(take(p + "mlp.down_proj.weight").t())
+
+    def _kernel_attention(self) -> bool:
+        """The bf16 CPU target attends through our kernel (batch invariant at full speed); fp32
+        keeps torch's attention, the reference checked against transformers."""
+        if self.weight_dtype != torch.bfloat16 or not self.embed.is_cpu:
+            return False
+        from dspark_trt.kernels import cpu_kernels
+
+        return cpu_kernels.available()
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """float32, or bfloat16 when the weight matrices are bf16 (`linear.use_bf16_weights`)."""
+        return self.lm_head.weight_t.dtype
 
     def weight_bytes(self) -> int:
         """Bytes read per decode step (every weight once; the tied embedding table is not read)."""

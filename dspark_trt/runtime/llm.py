@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_trt.errors import InvalidRequestError
+from dspark_trt.models.linear import DEFAULT_DTYPE, dtype_name, resolve_dtype
 from dspark_trt.models.loading import LoadedTarget, load_target
 from dspark_trt.runtime.engine import Engine
-from dspark_trt.runtime.profile import LatencyProfile
+from dspark_trt.runtime.profile import LatencyProfile, torch_backend_name
 from dspark_trt.runtime.proposer import Proposer
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import SamplingParams
@@ -44,12 +45,9 @@ class RequestOutput:
                    list(request.output_token_ids), request.finish_reason.value, metrics)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class LLM:
     def __init__(self, target: str | os.PathLike = "default", drafter: Proposer | str | None = None,
-                 engine_dir: str | os.PathLike | None = None, dtype: str = "float32",
+                 engine_dir: str | os.PathLike | None = None, dtype: str = DEFAULT_DTYPE,
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
                  policy: str | None = None, profile: LatencyProfile | str | os.PathLike | None = None,
                  batch_invariant: bool = False, device: str | torch.device = "cpu"):
@@ -61,6 +59,9 @@ class LLM:
         temperature 0 whatever else runs; same samples per seed with a per-request policy).
         Row-by-row matmuls (and, on a GPU, norms) make it several times slower: for tests and
         reproducibility.
+        `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations: about twice as
+        fast on CPU, batch invariant by construction), or `auto` (bfloat16 where our CPU kernel
+        runs, else float32; see `models/linear.py`). The drafter uses the same.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
         sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
         runs on its GPU whatever this says)."""
@@ -79,10 +80,15 @@ class LLM:
                 raise InvalidRequestError(f"{engine_dir} was built for the CPU (its latency profile was measured "
                                           "there); use device cpu, or build one on this GPU", "device")
             target, drafter = built.target_spec, built.drafter_path
+            if dtype == "auto":  # what the directory was built (and profiled) with
+                dtype = built.manifest.get("dtype", "float32")
             profile = profile if profile is not None else built.profile_path
-        if dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", "dtype")
-        self.target: LoadedTarget = load_target(target, DTYPES[dtype])
+        try:
+            weight_dtype = resolve_dtype(dtype, device)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "dtype") from None
+        self.dtype = dtype_name(weight_dtype)  # what `auto` became
+        self.target: LoadedTarget = load_target(target, weight_dtype)
         if built is not None:
             built.check_target(self.target.name, self.target.config)
         self.tokenizer = self.target.tokenizer
@@ -94,6 +100,8 @@ class LLM:
             from dspark_trt.runtime.eagle_proposer import EagleProposer
 
             model = load_drafter(drafter, self.target)
+            if weight_dtype == torch.bfloat16:
+                model.use_bf16_weights()
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
         if isinstance(profile, (str, os.PathLike)):
             profile = LatencyProfile.load(profile)
@@ -105,10 +113,11 @@ class LLM:
             # Only now, with the drafter holding the CPU embedding and LM head it borrowed: it
             # drafts on the CPU whatever the target's device (`Module.to` gives the target new tensors).
             self.target.model.to(device)
-            if profile is not None and profile.backend != f"torch-{device.type}":
+            expected = torch_backend_name(device, weight_dtype)
+            if profile is not None and profile.backend != expected:
                 raise InvalidRequestError(f"the latency profile was measured for {profile.backend} ({profile.device}) "
-                                          f"but the target runs on {device} with PyTorch; measure one here "
-                                          "(dspark-trt profile) or give none", "profile")
+                                          f"but this target runs as {expected}; measure one here "
+                                          "(dspark-trt profile, with the same --dtype) or give none", "profile")
         self.engine = Engine(self.target, proposer, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                              max_model_len=max_model_len, policy=policy, profile=profile,
                              batch_invariant=batch_invariant)

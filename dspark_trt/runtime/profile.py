@@ -56,6 +56,13 @@ def cpu_device_name() -> str:
     return f"cpu:{name} x{os.cpu_count()}"
 
 
+def torch_backend_name(device: torch.device, weight_dtype: torch.dtype) -> str:
+    """The profile's `backend` for the PyTorch target: `torch-cpu` (fp32), `torch-cpu-bfloat16`, ...
+    A step's cost depends on both, so a profile is only valid for the pair it was measured with."""
+    suffix = "" if weight_dtype == torch.float32 else "-" + str(weight_dtype).removeprefix("torch.")
+    return f"torch-{torch.device(device).type}{suffix}"
+
+
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     if not xs:
         return 0.0
@@ -251,6 +258,7 @@ def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, 
     from dspark_trt.runtime.device import device_name
 
     device = target.model.embed.device
-    return LatencyProfile(backend=f"torch-{device.type}", device=device_name(device),
+    weight_dtype = getattr(target.model, "weight_dtype", torch.float32)  # other backends: their own name
+    return LatencyProfile(backend=torch_backend_name(device, weight_dtype), device=device_name(device),
                           target_batch_tokens=batch_tokens, target_step_seconds=target_seconds,
                           drafter_num_requests=num_requests, drafter_step_seconds=drafter_seconds)

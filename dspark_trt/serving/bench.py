@@ -187,12 +187,13 @@ def _ms(stats: dict) -> dict:
 
 
 def start_server(target: str, spec: PolicySpec, profile: Path | None, max_batch_size: int, max_model_len: int,
-                 log: Path):
+                 log: Path, dtype: str = "auto"):
     """One `dspark-trt serve` subprocess for a policy (see `launch.py`)."""
     from dspark_trt.serving.launch import ServeProcess
 
     args = ["--target", target, "--policy", spec.policy, "--drafter", spec.drafter or "none",
-            "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len), "--log-level", "warning"]
+            "--max-batch-size", str(max_batch_size), "--max-model-len", str(max_model_len), "--log-level", "warning",
+            "--dtype", dtype]
     if profile is not None:
         args += ["--profile", str(profile)]
     return ServeProcess(args, log)
@@ -236,7 +237,8 @@ def plot(result: dict, path: Path) -> None:
 
 def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: list[float], num_requests: int | None,
               max_tokens: int, request_rate: float | None, target: str, url: str | None, api_key: str | None,
-              profile: Path | None, output: Path, seed: int = 0, max_model_len: int = 1024, echo=print) -> dict:
+              profile: Path | None, output: Path, seed: int = 0, max_model_len: int = 1024, echo=print,
+              dtype: str = "auto") -> dict:
     """All policies' servers run at once, and each (temperature, concurrency) point is measured for
     every policy back to back: whatever else loads the machine then loads every policy alike."""
     from dspark_trt.runtime.profile import cpu_device_name
@@ -244,14 +246,15 @@ def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: l
     output.parent.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = {"model": target, "drafter": ", ".join(sorted({s.drafter for s in specs if s.drafter})) or None,
-              "machine": cpu_device_name(), "max_tokens": max_tokens, "request_rate": request_rate, "runs": []}
+              "machine": cpu_device_name(), "dtype": dtype, "max_tokens": max_tokens, "request_rate": request_rate,
+              "runs": []}
     servers, bases = [], {}
     try:
         for spec in specs:
             if url is None:
                 echo(f"[{spec.label}] starting server (policy {spec.policy}, drafter {spec.drafter})")
                 server = start_server(target, spec, profile, max(concurrencies), max_model_len,
-                                      output.with_suffix(f".{spec.label}.log"))
+                                      output.with_suffix(f".{spec.label}.log"), dtype)
                 servers.append(server)
                 bases[spec.label] = server.url
             else:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from dspark_trt.cli_options import dtype_option
 from dspark_trt.serving.protocol import DEFAULT_MAX_BODY_BYTES
 
 POLICY_HELP = ("Verification policy: none, fixed:K, threshold:H, dspark, dspark-lagged "
@@ -24,17 +25,18 @@ def resolve_drafter(target: str, drafter: str | None) -> str | None:
 
 
 def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: str | None, profile: Path | None,
-             max_batch_size: int, max_model_len: int, batch_invariant: bool = False):
+             max_batch_size: int, max_model_len: int, batch_invariant: bool = False, dtype: str = "auto"):
     from dspark_trt import LLM
 
-    if engine_dir is not None:
+    if engine_dir is not None:  # dtype auto: what the directory was built with
         return LLM(engine_dir=engine_dir, policy=policy or "auto", max_batch_size=max_batch_size,
-                   max_model_len=max_model_len, batch_invariant=batch_invariant)
+                   max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
     drafter = resolve_drafter(target, drafter)
     if policy is None and drafter is not None:
         policy = "auto"
     return LLM(target=target, drafter=drafter, policy=policy, profile=profile, max_batch_size=max_batch_size,
-               max_model_len=max_model_len, batch_invariant=batch_invariant)
+               max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
+
 
 
 def runtime_options(command):
@@ -53,6 +55,7 @@ def runtime_options(command):
                      help="Requests in the running batch (KV slots); more wait in the queue."),
         click.option("--max-model-len", type=int, default=2048, show_default=True,
                      help="Longest prompt + output per request (sizes each KV slot)."),
+        dtype_option,
     ]
     for option in reversed(options):
         command = option(command)
@@ -76,7 +79,7 @@ def runtime_options(command):
                    "with it). Several times slower: for reproducibility and tests.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, host, port,
+def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, dtype, host, port,
                   api_key, max_queue, max_body_bytes, served_model_name, batch_invariant, log_level):
     """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with in-flight batching.
 
@@ -88,9 +91,10 @@ def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_s
         raise click.BadParameter("must be >= 0", param_hint="--max-queue")
     if max_body_bytes < 1:
         raise click.BadParameter("must be >= 1", param_hint="--max-body-bytes")
-    llm = load_llm(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, batch_invariant)
+    llm = load_llm(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, batch_invariant,
+                   dtype)
     engine = llm.engine
-    click.echo(f"serving {llm.target.name} with policy {engine.policy.name}"
+    click.echo(f"serving {llm.target.name} ({llm.dtype}) with policy {engine.policy.name}"
                + (f", drafter {type(engine.proposer).__name__}" if engine.proposer else "")
                + f" on http://{host}:{port}", err=True)
     run_server(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, model_name=served_model_name,
@@ -107,14 +111,16 @@ def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_s
               help="Largest target batch (tokens) to measure.")
 @click.option("--max-requests", type=int, default=32, show_default=True, help="Most requests to draft for.")
 @click.option("--quick", is_flag=True, help="Fewer points, one repeat (what the server does without a profile).")
-def profile_command(target, drafter, output, max_batch_tokens, max_requests, quick):
+@dtype_option
+def profile_command(target, drafter, output, max_batch_tokens, max_requests, quick, dtype):
     """Measure target step time vs batch tokens and drafter step time vs requests on this machine."""
     from dspark_trt import LLM
     from dspark_trt.runtime.profile import measure_latency_profile
 
     if max_batch_tokens < 1 or max_requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--max-batch-tokens/--max-requests")
-    llm = LLM(target=target, drafter=resolve_drafter(target, drafter), policy="all" if drafter != "none" else None)
+    llm = LLM(target=target, drafter=resolve_drafter(target, drafter), policy="all" if drafter != "none" else None,
+              dtype=dtype)
     profile = measure_latency_profile(llm.target, llm.engine.proposer, max_batch_tokens, max_requests, quick,
                                       progress=lambda line: click.echo(f"  {line}", err=True))
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -154,8 +160,9 @@ def parse_list(text: str, kind, option: str) -> list:
 @click.option("--max-model-len", type=int, default=1024, show_default=True,
               help="Each server's context per request (bounds the KV memory of several servers at once).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@dtype_option
 def bench_command(policies, target, drafter, url, api_key, concurrency, temperatures, num_requests, max_tokens,
-                  request_rate, profile_path, output, max_model_len, seed):
+                  request_rate, profile_path, output, max_model_len, seed, dtype):
     """Load-test servers: per-user vs total tok/s across concurrency, several policies side by side."""
     from dspark_trt.serving.bench import PolicySpec, run_bench
 
@@ -178,12 +185,35 @@ def bench_command(policies, target, drafter, url, api_key, concurrency, temperat
 
         click.echo("measuring the latency profile shared by all servers", err=True)
         first = next(s for s in specs if s.policy.startswith("dspark"))
-        llm = LLM(target=target, drafter=first.drafter, policy="all")
+        llm = LLM(target=target, drafter=first.drafter, policy="all", dtype=dtype)
+        # Measured here, before any server starts: the bench's own servers must not load the machine
+        # while the curve that steers them is taken (see run_bench's profile check).
         profile = measure_latency_profile(llm.target, llm.engine.proposer, 256, max(concurrencies),
                                           progress=lambda line: click.echo(f"  {line}", err=True))
         profile_path = output.with_suffix(".profile.json")
         output.parent.mkdir(parents=True, exist_ok=True)
         profile.save(profile_path)
-        del llm
+    else:
+        llm = profile = None
     run_bench(specs, concurrencies, temps, num_requests, max_tokens, request_rate, target, url, api_key, profile_path,
-              output, seed, max_model_len, echo=lambda line: click.echo(line, err=True))
+              output, seed, max_model_len, echo=lambda line: click.echo(line, err=True), dtype=dtype)
+    if llm is not None:
+        check_profile_after(llm, profile, output)
+
+
+def check_profile_after(llm, profile, output: Path) -> None:
+    """Re-measure two target points once the servers are gone and record how far the profile is
+    from them: a profile taken on a busy machine would mislead every confidence policy."""
+    from dspark_trt.runtime.profile import measure_target_curve
+
+    sizes = [1, 8]
+    after = measure_target_curve(llm.target, sizes, repeats=5)
+    ratios = [a / profile.target_seconds(b) for a, b in zip(after, sizes)]
+    result = json.loads(output.read_text())
+    result["profile_check"] = {"batch_tokens": sizes, "profile_seconds": [profile.target_seconds(b) for b in sizes],
+                               "after_seconds": after, "after_over_profile": ratios}
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    click.echo(f"profile check: target steps now {' / '.join(f'{r:.2f}x' for r in ratios)} the profile's "
+               f"(B={sizes})" + ("" if all(0.8 <= r <= 1.25 for r in ratios) else
+                                 " -- the machine was not as quiet as when the profile was taken; rerun alone"),
+               err=True)

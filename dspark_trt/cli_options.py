@@ -1,0 +1,18 @@
+"""Click options shared by several commands (`cli.py`, `serving/cli_serve.py`); no logic."""
+
+from __future__ import annotations
+
+import click
+
+# Kept in step with models/linear.py (DTYPE_CHOICES, DEFAULT_DTYPE); a test checks it. Not imported
+# from there: `dspark-trt --help` must not load torch.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+DEFAULT_DTYPE = "auto"
+
+
+def dtype_option(command):
+    """`--dtype`: the weights of the target and the drafter (`models/linear.py`)."""
+    return click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=DEFAULT_DTYPE, show_default=True,
+                        help="Weights of the target and drafter: bfloat16 (bf16 weight matrices, fp32 activations; "
+                             "about twice as fast on CPUs with avx512_bf16, batch invariant), float32 (the exact "
+                             "reference), or auto (bfloat16 where our CPU kernel runs, else float32).")(command)

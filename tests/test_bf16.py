@@ -1,0 +1,253 @@
+"""The bf16 engine: our packed kernel, bf16-vs-fp32 accuracy, and batch invariance at full speed.
+
+`--dtype bfloat16` rounds weight matrices to bf16 and keeps activations in fp32. On a CPU with
+avx512_bf16 the products run through `kernels/cpu_kernels.c`, whose rows do not depend on the
+other rows of a call; together with the rest of the CPU forward pass (checked here) that makes
+a request's logits bit-identical whatever else shares its steps, so greedy speculative output
+equals plain decoding under any load without the slow `--batch-invariant` mode.
+"""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_drafters import make_drafter
+
+from dspark_trt import LLM, SamplingParams
+from dspark_trt.cli import main
+from dspark_trt.errors import InvalidRequestError
+from dspark_trt.kernels import cpu_kernels
+from dspark_trt.models.linear import resolve_dtype
+from dspark_trt.models.loading import load_target
+from dspark_trt.runtime.dspark_proposer import DSparkProposer
+from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.profile import LatencyProfile
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"bf16 kernel: {cpu_kernels.unavailable_reason()}")
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (577, 33), (64, 100), (1536, 576), (16, 4096)])
+def test_kernel_computes_fp32_rows_times_bf16_weights(in_features, out_features):
+    generator = torch.Generator().manual_seed(in_features + out_features)
+    weight = torch.randn(in_features, out_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    packed = cpu_kernels.PackedWeight(weight)
+    assert torch.equal(packed.unpack(), weight.bfloat16())
+    for rows in (1, 5, 6, 7, 13, 40):
+        x = torch.randn(rows, in_features, generator=generator)
+        exact = x.double() @ weight.bfloat16().double() + bias.double()
+        got = cpu_kernels.matmul(x, packed, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        # one fp32 FMA chain per output: fp32 rounding of a K-term sum, nothing more
+        scale = (x.double().abs() @ weight.bfloat16().double().abs()).max()
+        assert (got.double() - exact).abs().max() <= 1e-6 * scale + 1e-6
+
+
+@needs_kernel
+def test_kernel_rows_do_not_depend_on_the_other_rows():
+    generator = torch.Generator().manual_seed(0)
+    packed = cpu_kernels.PackedWeight(torch.randn(576, 3072, generator=generator))
+    x = torch.randn(64, 576, generator=generator)
+    alone = torch.cat([cpu_kernels.matmul(x[i : i + 1], packed) for i in range(64)])
+    for rows in (2, 3, 6, 8, 17, 64):
+        for start in range(0, 64 - rows + 1, rows):
+            assert torch.equal(cpu_kernels.matmul(x[start : start + rows], packed), alone[start : start + rows])
+    strided = torch.randn(64, 1000, generator=generator)[:, :576]  # a view with a row stride
+    assert torch.equal(cpu_kernels.matmul(strided, packed), torch.cat([cpu_kernels.matmul(r[None], packed) for r in strided]))
+
+
+def test_without_the_kernel_bf16_falls_back_to_torch_and_auto_to_float32(tiny_llama):
+    """DSPARK_TRT_BF16_KERNEL=off (or no avx512_bf16 / compiler): bfloat16 runs through torch
+    (oneDNN) with the same numerics up to the activations' rounding, and `auto` means float32."""
+    code = f"""
+import torch, dspark_trt
+from dspark_trt.kernels import cpu_kernels
+from dspark_trt.models.linear import resolve_dtype
+from dspark_trt.models.loading import load_target
+assert not cpu_kernels.available() and "DSPARK_TRT_BF16_KERNEL" in cpu_kernels.unavailable_reason()
+assert resolve_dtype("auto") == torch.float32
+model = load_target({str(tiny_llama)!r}, torch.bfloat16).model
+pool = model.new_pool(1, 64)
+print(model(torch.arange(1, 20), [19], [pool.allocate()]).logits.tolist())
+"""
+    env = {**os.environ, "DSPARK_TRT_BF16_KERNEL": "off"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    fallback = torch.tensor(eval(result.stdout))
+    model = load_target(tiny_llama, torch.bfloat16).model
+    ours = model(torch.arange(1, 20), [19], [model.new_pool(1, 64).allocate()]).logits
+    torch.testing.assert_close(fallback, ours, rtol=0.05, atol=0.05 * float(ours.abs().max()))
+
+
+# ---- the model in bf16 ------------------------------------------------------------------------
+
+
+def test_bf16_weights_keep_activations_norms_and_cache_in_fp32(tiny_llama):
+    target = load_target(tiny_llama, torch.bfloat16)
+    model = target.model
+    assert model.weight_dtype == torch.bfloat16
+    assert all(layer.qkv.weight_t.dtype == torch.bfloat16 and layer.attn_norm.dtype == torch.float32
+               for layer in model.layers)
+    pool = model.new_pool(1, 64)
+    assert pool.keys.dtype == torch.float32
+    out = model(torch.arange(1, 20), [19], [pool.allocate()], feature_layers=(1,))
+    assert out.logits.dtype == out.features.dtype == torch.float32
+    exact = load_target(tiny_llama).model
+    reference = exact(torch.arange(1, 20), [19], [exact.new_pool(1, 64).allocate()]).logits
+    # Weight rounding to bf16 (8 bits of mantissa) moves logits by a few percent, never more.
+    assert (out.logits - reference).abs().max() <= 0.05 * reference.abs().max()
+    assert model.weight_bytes() < 0.6 * exact.weight_bytes()
+
+
+def test_dtype_choices_are_checked_and_named(tiny_llama):
+    with pytest.raises(InvalidRequestError, match="dtype must be one of auto, float32, bfloat16") as error:
+        LLM(target=tiny_llama, dtype="float16")
+    assert error.value.param == "dtype"
+    llm = LLM(target=tiny_llama, dtype="float32")
+    assert llm.dtype == "float32" and llm.target.model.weight_dtype == torch.float32
+    assert LLM(target=tiny_llama).dtype == str(resolve_dtype("auto")).removeprefix("torch.")
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--target", str(tiny_llama), "--dtype", "fp8"])
+    assert result.exit_code == 2 and "'fp8' is not one of 'auto', 'float32', 'bfloat16'" in result.output
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--target", str(tiny_llama), "--dtype",
+                                       "bfloat16", "--max-tokens", "3", "--raw", "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_profile_is_only_used_with_the_dtype_it_was_measured_in(tiny_llama, tmp_path):
+    from dspark_trt.runtime.profile import measure_latency_profile
+
+    fp32 = LLM(target=tiny_llama, dtype="float32")
+    profile = measure_latency_profile(fp32.target, max_batch_tokens=4, quick=True)
+    assert profile.backend == "torch-cpu"
+    profile.save(tmp_path / "profile.json")
+    with pytest.raises(InvalidRequestError, match="measured for torch-cpu .* runs as torch-cpu-bfloat16") as error:
+        LLM(target=tiny_llama, dtype="bfloat16", profile=tmp_path / "profile.json")
+    assert error.value.param == "profile"
+    bf16 = LLM(target=tiny_llama, dtype="bfloat16")
+    assert measure_latency_profile(bf16.target, max_batch_tokens=4, quick=True).backend == "torch-cpu-bfloat16"
+    assert isinstance(LatencyProfile.load(tmp_path / "profile.json"), LatencyProfile)
+
+
+# ---- batch invariance at full speed -------------------------------------------------------------
+
+
+def _decode_alone(model, tokens: list[int], split: int) -> torch.Tensor:
+    """Prefill `tokens[:split]`, then decode the rest one token per step: the reference."""
+    cache = model.new_pool(1, len(tokens) + 1).allocate()
+    model(torch.tensor(tokens[:split]), [split], [cache])
+    return torch.cat([model(torch.tensor([t]), [1], [cache]).logits for t in tokens[split:]])
+
+
+@needs_kernel
+@pytest.mark.parametrize("context", [40, 200])
+def test_logits_are_bit_identical_alone_and_in_any_mixed_batch(tiny_llama, context):
+    """Our sequence, fed in random chunks (prefill pieces, verify blocks, single tokens) beside random
+    neighbours (prefills, decode tokens, draft blocks; batched-attention and one-by-one paths) in
+    random orders, gets exactly the logits it gets decoding alone."""
+    model = load_target(tiny_llama, torch.bfloat16).model
+    rng = random.Random(context)
+    vocab = model.config.vocab_size
+    tokens = [rng.randrange(vocab) for _ in range(context + 24)]
+    alone = _decode_alone(model, tokens, context)
+    for trial in range(4):
+        pool = model.new_pool(6, context + 64)
+        ours, *others = [pool.allocate() for _ in range(6)]
+        position = 0
+        while position < context:  # our prompt in random chunks, each beside a neighbour's prefill
+            count = min(rng.randrange(1, 40), context - position)
+            neighbour = others[rng.randrange(5)]
+            if neighbour.length > 100:
+                neighbour.truncate(0)
+            other = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+            model(torch.tensor(tokens[position : position + count] + other), [count, len(other)], [ours, neighbour])
+            position += count
+        rows = []
+        while position < len(tokens):  # then random blocks among random short and long feeds
+            count = min(rng.randrange(1, 9), len(tokens) - position)
+            feeds = [(ours, tokens[position : position + count])]
+            for neighbour in rng.sample(others, rng.randrange(0, 6)):
+                feeds.append((neighbour, [rng.randrange(vocab) for _ in range(rng.choice([1, 3, 8, 40]))]))
+            rng.shuffle(feeds)
+            for cache, feed in feeds:
+                if cache is not ours and cache.length + len(feed) > cache.capacity:
+                    cache.truncate(0)
+            logits = model(torch.tensor([t for _, feed in feeds for t in feed]), [len(f) for _, f in feeds],
+                           [c for c, _ in feeds]).logits
+            start = sum(len(f) for c, f in feeds[: [c for c, _ in feeds].index(ours)])
+            rows.append(logits[start : start + count])
+            position += count
+        assert torch.equal(torch.cat(rows), alone), trial
+
+
+@needs_kernel
+def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama):
+    """Greedy speculative output equals plain decoding request by request, whatever arrives when,
+    in the default (fast) mode."""
+    target = load_target(tiny_llama, torch.bfloat16)
+    drafter = make_drafter(target).use_bf16_weights()
+    rng = random.Random(3)
+    jobs = [([rng.randrange(1, 1000) for _ in range(rng.randrange(2, 60))],
+             SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)) for _ in range(8)]
+    plain = Engine(target, None, max_batch_size=8, max_model_len=128)
+    expected = [plain.add_request(*job) for job in jobs]
+    while plain.has_unfinished():
+        plain.step()
+    for policy, seed in (("all", 0), ("fixed:2", 1), ("dspark", 2)):
+        engine = Engine(target, DSparkProposer(drafter), max_batch_size=4, max_batch_tokens=40, max_model_len=128,
+                        policy=policy)
+        order = random.Random(seed).sample(range(len(jobs)), len(jobs))
+        requests, step = {}, 0
+        while order or engine.has_unfinished():
+            for _ in range(random.Random(seed * 100 + step).randrange(0, 3)):
+                if order:
+                    index = order.pop()
+                    requests[index] = engine.add_request(*jobs[index])
+            engine.step()
+            step += 1
+        for index, request in requests.items():
+            assert request.output_token_ids == expected[index].output_token_ids, (policy, index)
+        assert engine.counters.num_draft_tokens > 0
+
+
+# ---- accuracy on real prompts -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_bf16_stays_close_to_fp32_on_evaluation_prompts():
+    """The embedded SmolLM2 target on evaluation prompts (teacher-forced on fp32's own greedy
+    output): next-token distributions within a small KL, the same greedy token almost everywhere.
+    Bounds: about 3x what `benchmarks/dtype_accuracy.py` measured."""
+    from dspark_trt.training.prompts import load_prompts
+
+    sys.path.insert(0, "benchmarks")
+    from dtype_accuracy import response_log_probs
+
+    reference = LLM(target="default", dtype="float32", max_batch_size=6)
+    rounded = load_target("default", torch.bfloat16).model
+    prompts = [reference.encode_chat(p.messages) for name in ("mt-bench", "humaneval", "gsm8k")
+               for p in load_prompts(name, 2)]
+    outputs = reference.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    kls, same = [], []
+    for prompt, output in zip(prompts, outputs):
+        exact = response_log_probs(reference.target.model, prompt, output.token_ids)
+        approx = response_log_probs(rounded, prompt, output.token_ids)
+        kls.append((exact.exp() * (exact - approx)).sum(-1))
+        same.append((exact.argmax(-1) == approx.argmax(-1)).double())
+    assert float(torch.cat(kls).mean()) < 0.02
+    assert float(torch.cat(same).mean()) > 0.9
+
+
+def test_the_cli_offers_the_dtypes_the_models_know():
+    from dspark_trt import cli_options
+    from dspark_trt.models import linear
+
+    assert cli_options.DTYPE_CHOICES == linear.DTYPE_CHOICES and cli_options.DEFAULT_DTYPE == linear.DEFAULT_DTYPE
