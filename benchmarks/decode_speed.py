@@ -2,13 +2,16 @@
 
     python benchmarks/decode_speed.py [--target default] [--max-tokens 64] [--output benchmarks/results/decode_speed.json]
 
-Same prompts (MT-Bench turn 1, chat template), same checkpoint, fp32, greedy, a fixed number
-of new tokens (EOS ignored, so both do the same work). Batch 1 runs prompts one after another;
-batch 8 runs 8 prompts together (transformers with left padding). transformers runs in a child
-process with PyTorch's default threading, at whichever of 1 or 2 threads is faster for it (a
-short probe decides), so it is measured at its best, not under our settings. Reports tok/s for both,
-their ratio, whether the generated token ids are identical, and our batch-1 decode step time
-against the memory-bandwidth floor (bytes of weights read per step / measured read bandwidth).
+Same prompts (MT-Bench turn 1, chat template), same checkpoint, greedy, a fixed number of new
+tokens (EOS ignored, so both do the same work). Ours runs in `--dtype` (default auto: bf16
+weights where our kernel runs); transformers runs in fp32 *and* bf16 and is compared at its
+faster one. Batch 1 runs prompts one after another; batch 8 runs 8 prompts together
+(transformers with left padding). transformers runs in a child process with PyTorch's default
+threading, at whichever of 1 or 2 threads is faster for it (a short probe decides), so it is
+measured at its best, not under our settings. Reports tok/s for all, the ratios, whether the
+generated token ids are identical to transformers' fp32 ones, and our batch-1
+decode step time against the memory-bandwidth floor of the dtype used (bytes of weights read per
+step / measured read bandwidth).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def transformers_worker(job_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     job = json.loads(job_path.read_text())
-    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=getattr(torch, job["dtype"])).eval()
     tokenizer = AutoTokenizer.from_pretrained(job["folder"])
     probe = job["groups"][0][:1]
     timings = {}
@@ -62,12 +65,12 @@ def transformers_worker(job_path: Path) -> None:
                                     "seconds": sum(r[1] for r in runs)}))
 
 
-def run_transformers(folder: Path, groups: list[list[list[int]]], max_tokens: int) -> dict:
+def run_transformers(folder: Path, groups: list[list[list[int]]], max_tokens: int, dtype: str) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"folder": str(folder), "groups": groups, "max_tokens": max_tokens}))
+        job.write_text(json.dumps({"folder": str(folder), "groups": groups, "max_tokens": max_tokens, "dtype": dtype}))
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         subprocess.run([sys.executable, __file__, "--transformers-worker", str(job)], check=True, env=env)
         return json.loads(job.read_text())
@@ -118,6 +121,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts for the batch-1 run (batch 8 uses 8)")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/decode_speed.json"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="our weights")
     parser.add_argument("--transformers-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.transformers_worker:
@@ -128,11 +132,13 @@ def main() -> int:
     from dspark_trt.training.prompts import load_prompts
     import torch
 
-    llm = LLM(target=args.target, max_batch_size=8)
+    llm = LLM(target=args.target, max_batch_size=8, dtype=args.dtype)
     prompts = [llm.encode_chat(p.messages) for p in load_prompts("mt-bench", max(8, args.num_prompts))]
     ours_generate(llm, prompts[:1], 4)  # warm-up
 
-    results = {"target": llm.target.name, "max_tokens": args.max_tokens, "dtype": "float32",
+    results = {"command": f"python benchmarks/decode_speed.py --max-tokens {args.max_tokens} --num-prompts "
+                          f"{args.num_prompts} --dtype {args.dtype}",
+               "target": llm.target.name, "max_tokens": args.max_tokens, "dtype": llm.dtype,
                "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
                "ours_threads": torch.get_num_threads()}
     for batch in (1, 8):
@@ -142,13 +148,16 @@ def main() -> int:
             ids, seconds = ours_generate(llm, group, args.max_tokens)
             ours_ids += ids
             ours_time += seconds
-        baseline = run_transformers(llm.target.folder, groups, args.max_tokens)
+        baselines = {dtype: run_transformers(llm.target.folder, groups, args.max_tokens, dtype)
+                     for dtype in ("float32", "bfloat16")}
+        best = min(baselines, key=lambda d: baselines[d]["seconds"])
         tokens = sum(map(len, ours_ids))
-        identical = sum(a == b for a, b in zip(ours_ids, baseline["ids"]))
         results[f"batch_{batch}"] = {
-            "ours_tok_s": tokens / ours_time, "transformers_tok_s": tokens / baseline["seconds"],
-            "speedup": baseline["seconds"] / ours_time, "identical_outputs": identical,
-            "num_prompts": len(ours_ids), "transformers_threads": baseline["threads"],
+            "ours_tok_s": tokens / ours_time,
+            **{f"transformers_{d}_tok_s": tokens / b["seconds"] for d, b in baselines.items()},
+            "transformers_best_dtype": best, "speedup": baselines[best]["seconds"] / ours_time,
+            "identical_outputs_with_transformers_fp32": sum(a == b for a, b in zip(ours_ids, baselines["float32"]["ids"])),
+            "num_prompts": len(ours_ids), "transformers_threads": {d: b["threads"] for d, b in baselines.items()},
         }
 
     bandwidth = read_bandwidth_gbs()
@@ -163,8 +172,10 @@ def main() -> int:
     args.output.write_text(json.dumps(results, indent=2) + "\n")
     for batch in (1, 8):
         r = results[f"batch_{batch}"]
-        print(f"batch {batch}: ours {r['ours_tok_s']:.1f} tok/s, transformers {r['transformers_tok_s']:.1f} tok/s, "
-              f"speed-up {r['speedup']:.2f}x, identical outputs {r['identical_outputs']}/{r['num_prompts']}")
+        print(f"batch {batch}: ours ({llm.dtype}) {r['ours_tok_s']:.1f} tok/s, transformers fp32 "
+              f"{r['transformers_float32_tok_s']:.1f} / bf16 {r['transformers_bfloat16_tok_s']:.1f} tok/s, speed-up "
+              f"{r['speedup']:.2f}x over its faster one; identical outputs "
+              f"{r['identical_outputs_with_transformers_fp32']}/{r['num_prompts']}")
     s = results["batch_1_step"]
     print(f"batch-1 decode step {s['ours_step_ms']:.1f} ms; floor {s['bandwidth_floor_ms']:.1f} ms "
           f"({s['weight_bytes_per_step'] / 1e6:.0f} MB at {s['read_bandwidth_gb_s']:.1f} GB/s): "

@@ -30,13 +30,15 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/drafter_latency.json"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="target and drafter weights")
     args = parser.parse_args()
 
     from dspark_trt import LLM, SamplingParams  # before torch: it sets the CPU threading policy
     from dspark_trt.training.prompts import load_prompts
     import torch
 
-    llm = LLM(target="default", drafter=args.drafter)
+    llm = LLM(target="default", drafter=args.drafter, dtype=args.dtype)
     proposer = llm.engine.proposer
     drafter = proposer.drafter
     head = drafter.sequential
@@ -71,7 +73,7 @@ def main() -> int:
         return {"mean_ms": statistics.fmean(times[name]) * 1e3, "median_ms": statistics.median(times[name]) * 1e3}
 
     with_head, without = per_block("with_head"), per_block("without_head")
-    result = {"drafter": args.drafter, "block_size": drafter.config.block_size, "head": drafter.config.head,
+    result = {"drafter": args.drafter, "dtype": llm.dtype, "block_size": drafter.config.block_size, "head": drafter.config.head,
               "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
               "num_blocks": len(times["with_head"]), "with_head": with_head, "without_head": without,
               "head_overhead": with_head["mean_ms"] / without["mean_ms"] - 1,
