@@ -14,5 +14,5 @@ def dtype_option(command):
     """`--dtype`: the weights of the target and the drafter (`models/linear.py`)."""
     return click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=DEFAULT_DTYPE, show_default=True,
                         help="Weights of the target and drafter: bfloat16 (bf16 weight matrices, fp32 activations; "
-                             "about twice as fast on CPUs with avx512_bf16, batch invariant), float32 (the exact "
-                             "reference), or auto (bfloat16 where our CPU kernel runs, else float32).")(command)
+                             "faster, and batch invariant where our AVX-512 CPU kernels run), float32 (the exact "
+                             "reference), or auto (bfloat16 where our CPU kernels run, else float32).")(command)

@@ -57,7 +57,8 @@ static inline __m512 widen(const uint16_t *w) {  /* 16 bf16 -> 16 fp32, exact */
         }                                                                                          \
         for (int p = 0; p < 4; p++) {                                                              \
             __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + 16 * p) : _mm512_setzero_ps(); \
-            for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy + 16 * p, mask[p], _mm512_add_ps(acc[p][r], b)); \
+            for (int r = 0; r < R; r++)                                                            \
+                _mm512_mask_storeu_ps(y + r * ldy + 16 * p, mask[p], _mm512_add_ps(acc[p][r], b));  \
         }                                                                                          \
     }
 
@@ -99,6 +100,8 @@ static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static int num_threads = 0;           /* workers + the caller; 0 = not started */
 static atomic_long generation = 0;    /* bumped once per call */
 static atomic_int finished = 0;       /* workers done with the current call */
+static atomic_int ready = 0;          /* workers started and waiting for their first call */
+static int wanted_threads = 1;        /* what dspark_start_threads asked for (restarted after fork) */
 typedef void (*range_fn)(const void *ctx, long first, long last);
 static range_fn current_fn;
 static const void *current_ctx;
@@ -117,7 +120,10 @@ static void run_share(int index) {  /* contiguous, equal shares: thread i owns i
 
 static void *worker(void *arg) {
     int index = (int)(long)arg;
+    /* The pool is started under pool_lock, which no call can take before every worker has read
+     * the generation it starts from: a call made right after start-up is never missed. */
     long seen = atomic_load(&generation);
+    atomic_fetch_add(&ready, 1);
     for (;;) {
         long start = now_ns(), g;
         int spins = 0;
@@ -137,35 +143,53 @@ static void *worker(void *arg) {
     return 0;
 }
 
-static void forget_pool_in_child(void) {  /* a forked child has none of the workers */
+/* fork: the child has none of the workers. Both locks are held across fork (so neither is copied
+ * in the middle of a call) and released on both sides; the child restarts its pool on first use. */
+static void before_fork(void) {
+    pthread_mutex_lock(&pool_lock);
+    pthread_mutex_lock(&sleep_lock);
+}
+
+static void after_fork_in_parent(void) {
+    pthread_mutex_unlock(&sleep_lock);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+static void after_fork_in_child(void) {
     num_threads = 0;
-    pthread_mutex_init(&pool_lock, 0);
-    pthread_mutex_init(&sleep_lock, 0);
-    pthread_cond_init(&wake, 0);
+    atomic_store(&ready, 0);
+    pthread_mutex_unlock(&sleep_lock);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* Start the workers (pool_lock held): wanted_threads in all, the caller being one. */
+static void start_locked(void) {
+    static int atfork_registered = 0;
+    if (!atfork_registered) {
+        pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+        atfork_registered = 1;
+    }
+    num_threads = 1;
+    atomic_store(&ready, 0);
+    for (int i = 1; i < wanted_threads; i++) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, worker, (void *)(long)i);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        num_threads++;
+    }
+    while (atomic_load(&ready) < num_threads - 1) _mm_pause();  /* every worker has read `generation` */
 }
 
 /* Start the pool with `threads` threads in all (the caller is one); returns how many run. */
 int dspark_start_threads(int threads) {
-    static int atfork_registered = 0;
     pthread_mutex_lock(&pool_lock);
     if (num_threads == 0) {
-        if (!atfork_registered) {
-            pthread_atfork(0, 0, forget_pool_in_child);
-            atfork_registered = 1;
-        }
-        if (threads < 1) threads = 1;
-        if (threads > MAX_THREADS) threads = MAX_THREADS;
-        num_threads = 1;
-        for (int i = 1; i < threads; i++) {
-            pthread_t thread;
-            pthread_attr_t attr;
-            pthread_attr_init(&attr);
-            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            /* workers read num_threads only inside calls, which start after this returns */
-            if (pthread_create(&thread, &attr, worker, (void *)(long)i) != 0) break;
-            pthread_attr_destroy(&attr);
-            num_threads++;
-        }
+        wanted_threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+        start_locked();
     }
     int started = num_threads;
     pthread_mutex_unlock(&pool_lock);
@@ -177,6 +201,7 @@ int dspark_start_threads(int threads) {
  * computes an item never changes what it computes. */
 static void parallel_for(range_fn fn, const void *ctx, long count, long min_per_thread) {
     pthread_mutex_lock(&pool_lock);
+    if (num_threads == 0 && wanted_threads > 1) start_locked();  /* first use in a forked child */
     if (num_threads <= 1 || count < min_per_thread * num_threads) {
         pthread_mutex_unlock(&pool_lock);
         fn(ctx, 0, count);
@@ -233,6 +258,8 @@ static inline float dot(const float *a, const float *b, long dim) {
     return _mm512_reduce_add_ps(acc);
 }
 
+static atomic_int attention_failed = 0;  /* set when a share could not allocate its scores */
+
 static void attention_range(const void *ctx, long first, long last) {
     const attention_args *a = (const attention_args *)ctx;
     long dim = a->dim, group = a->heads / a->kv_heads, capacity = 0;
@@ -243,6 +270,10 @@ static void attention_range(const void *ctx, long first, long last) {
             free(scores);
             capacity = length > 1024 ? length : 1024;
             scores = (float *)malloc(sizeof(float) * capacity);
+            if (scores == 0) {
+                atomic_store(&attention_failed, 1);
+                return;
+            }
         }
         const float *q = a->q + t * a->ldq + h * dim;
         long base = a->slots[t] * a->slot_stride + (h / group) * a->head_stride;
@@ -279,11 +310,14 @@ static void attention_range(const void *ctx, long first, long last) {
 }
 
 /* q [T, heads * dim] (row stride ldq); keys/values point at one layer of the pool
- * ([slots][kv_heads][capacity][dim]); slots/positions [T]; out [T, heads * dim] (row stride ldo). */
-void dspark_attention(const float *q, long T, long ldq, long heads, long kv_heads, long dim, const float *keys,
+ * ([slots][kv_heads][capacity][dim]); slots/positions [T]; out [T, heads * dim] (row stride ldo).
+ * Returns 0, or -1 when memory for the scores could not be allocated (out is then incomplete). */
+int dspark_attention(const float *q, long T, long ldq, long heads, long kv_heads, long dim, const float *keys,
                       const float *values, long slot_stride, long head_stride, const long *slots,
                       const long *positions, float scale, float *out, long ldo) {
     attention_args args = {q, ldq, heads, kv_heads, dim, keys, values, slot_stride, head_stride, slots, positions,
                            scale, out, ldo};
+    atomic_store(&attention_failed, 0);
     parallel_for(attention_range, &args, T * heads, 4);
+    return atomic_load(&attention_failed) ? -1 : 0;
 }

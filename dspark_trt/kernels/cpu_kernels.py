@@ -19,8 +19,8 @@ each output is one fp32 FMA chain over k in order. A row's result never depends 
 rows (batch invariant by construction), nor on the number of threads (each thread owns whole
 columns).
 
-Needs x86-64 with avx512_bf16 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and
-later) and `gcc`; `available()` says why not otherwise, and callers fall back to oneDNN.
+Needs x86-64 with AVX-512F (Intel Skylake-SP and later server CPUs, AMD Zen 4 and later) and
+`gcc`; `available()` says why not otherwise, and callers fall back to oneDNN.
 Set `DSPARK_TRT_BF16_KERNEL=off` to force that fallback (for comparisons).
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-pthread", "-shared", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-pthread", "-shared", "-fPIC"]
 GROUP_COLUMNS = 64  # the matmul kernel's column group (cpu_kernels.c)
 
 _lock = threading.Lock()
@@ -46,12 +46,12 @@ _library: ctypes.CDLL | None = None
 _unavailable_reason: str | None = None
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _cpu_has_avx512f() -> bool:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
-    return "avx512_bf16" in flags.split()
+    return "avx512f" in flags.split()
 
 
 def _cache_dir() -> Path:
@@ -86,8 +86,8 @@ def _load() -> ctypes.CDLL | None:
             return _library
         if os.environ.get("DSPARK_TRT_BF16_KERNEL", "").lower() in ("off", "0", "false", "no"):
             _unavailable_reason = "turned off by DSPARK_TRT_BF16_KERNEL"
-        elif not _cpu_has_avx512_bf16():
-            _unavailable_reason = "this CPU has no avx512_bf16"
+        elif not _cpu_has_avx512f():
+            _unavailable_reason = "this CPU has no AVX-512F"
         elif (compiler := shutil.which(os.environ.get("CC", "gcc"))) is None:
             _unavailable_reason = "no C compiler (gcc) to build it"
         else:
@@ -101,7 +101,7 @@ def _load() -> ctypes.CDLL | None:
                 library.dspark_bf16_gemm.restype = None
                 library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
                                                      void, void, ctypes.c_float, void, long_]
-                library.dspark_attention.restype = None
+                library.dspark_attention.restype = ctypes.c_int
                 library.dspark_start_threads.argtypes = [ctypes.c_int]
                 library.dspark_start_threads.restype = ctypes.c_int
                 library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
@@ -170,7 +170,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     _, kv_heads, capacity, _ = keys.shape
     q = q.contiguous()
     out = torch.empty(tokens, heads * dim, dtype=torch.float32)
-    _library.dspark_attention(q.data_ptr(), tokens, heads * dim, heads, kv_heads, dim, keys.data_ptr(),
-                              values.data_ptr(), kv_heads * capacity * dim, capacity * dim, slots.data_ptr(),
-                              positions.data_ptr(), dim ** -0.5, out.data_ptr(), heads * dim)
+    status = _library.dspark_attention(q.data_ptr(), tokens, heads * dim, heads, kv_heads, dim, keys.data_ptr(),
+                                       values.data_ptr(), kv_heads * capacity * dim, capacity * dim, slots.data_ptr(),
+                                       positions.data_ptr(), dim ** -0.5, out.data_ptr(), heads * dim)
+    if status != 0:
+        raise MemoryError("the attention kernel could not allocate its scores")
     return out

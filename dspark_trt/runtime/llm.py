@@ -59,9 +59,10 @@ class LLM:
         temperature 0 whatever else runs; same samples per seed with a per-request policy).
         Row-by-row matmuls (and, on a GPU, norms) make it several times slower: for tests and
         reproducibility.
-        `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations: about twice as
-        fast on CPU, batch invariant by construction), or `auto` (bfloat16 where our CPU kernel
-        runs, else float32; see `models/linear.py`). The drafter uses the same.
+        `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations: faster on CPU
+        and, where our AVX-512 kernels run, batch invariant by construction), or `auto` (bfloat16
+        where those kernels run, else float32; see `models/linear.py`). The drafter uses the same.
+        With `engine_dir`, `auto` is the dtype the directory was built and profiled in.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
         sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
         runs on its GPU whatever this says)."""
@@ -80,8 +81,12 @@ class LLM:
                 raise InvalidRequestError(f"{engine_dir} was built for the CPU (its latency profile was measured "
                                           "there); use device cpu, or build one on this GPU", "device")
             target, drafter = built.target_spec, built.drafter_path
+            built_dtype = built.manifest.get("dtype", "float32")
             if dtype == "auto":  # what the directory was built (and profiled) with
-                dtype = built.manifest.get("dtype", "float32")
+                dtype = built_dtype
+            elif dtype != built_dtype and built.backend != "tensorrt" and profile is None:
+                raise InvalidRequestError(f"{engine_dir} was built and profiled for dtype {built_dtype}; give that "
+                                          f"(or auto), or rebuild it with dtype: {dtype}", "dtype")
             profile = profile if profile is not None else built.profile_path
         try:
             weight_dtype = resolve_dtype(dtype, device)

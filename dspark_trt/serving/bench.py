@@ -235,6 +235,13 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def served_dtype(dtype: str) -> str:
+    """What `--dtype` becomes in the servers this bench starts (on this machine)."""
+    from dspark_trt.models.linear import dtype_name, resolve_dtype
+
+    return dtype_name(resolve_dtype(dtype))
+
+
 def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: list[float], num_requests: int | None,
               max_tokens: int, request_rate: float | None, target: str, url: str | None, api_key: str | None,
               profile: Path | None, output: Path, seed: int = 0, max_model_len: int = 1024, echo=print,
@@ -246,7 +253,8 @@ def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: l
     output.parent.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = {"model": target, "drafter": ", ".join(sorted({s.drafter for s in specs if s.drafter})) or None,
-              "machine": cpu_device_name(), "dtype": dtype, "max_tokens": max_tokens, "request_rate": request_rate,
+              "machine": cpu_device_name(), "dtype": served_dtype(dtype) if url is None else "of the server",
+              "max_tokens": max_tokens, "request_rate": request_rate,
               "runs": []}
     servers, bases = [], {}
     try:

@@ -38,7 +38,6 @@ def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: 
                max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
 
 
-
 def runtime_options(command):
     options = [
         click.argument("engine_dir", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path)),
