@@ -156,7 +156,8 @@ def main() -> int:
             "ours_tok_s": tokens / ours_time,
             **{f"transformers_{d}_tok_s": tokens / b["seconds"] for d, b in baselines.items()},
             "transformers_best_dtype": best, "speedup": baselines[best]["seconds"] / ours_time,
-            "identical_outputs_with_transformers_fp32": sum(a == b for a, b in zip(ours_ids, baselines["float32"]["ids"])),
+            "identical_outputs_with_transformers_fp32": sum(a == b for a, b in
+                                                            zip(ours_ids, baselines["float32"]["ids"])),
             "num_prompts": len(ours_ids), "transformers_threads": {d: b["threads"] for d, b in baselines.items()},
         }
 

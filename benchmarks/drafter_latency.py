@@ -73,7 +73,8 @@ def main() -> int:
         return {"mean_ms": statistics.fmean(times[name]) * 1e3, "median_ms": statistics.median(times[name]) * 1e3}
 
     with_head, without = per_block("with_head"), per_block("without_head")
-    result = {"drafter": args.drafter, "dtype": llm.dtype, "block_size": drafter.config.block_size, "head": drafter.config.head,
+    result = {"drafter": args.drafter, "dtype": llm.dtype, "block_size": drafter.config.block_size,
+              "head": drafter.config.head,
               "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
               "num_blocks": len(times["with_head"]), "with_head": with_head, "without_head": without,
               "head_overhead": with_head["mean_ms"] / without["mean_ms"] - 1,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dspark_trt import LLM, ModelLoadError, SamplingParams
+from dspark_trt import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 from dspark_trt.builder.build import BuildError, build
 from dspark_trt.builder.export_drafter import OUTPUT_NAMES, ExportDrafter
 from dspark_trt.builder.onnx_export import sample_drafter_inputs, sample_target_inputs
@@ -167,6 +167,10 @@ def test_manifest_and_profile_round_trip(built, tmp_path):
     assert profile.backend == ("torch-cpu" if dtype == "float32" else f"torch-cpu-{dtype}")
     assert profile.device == engine.manifest["device"]
     assert profile.drafter_num_requests and all(s > 0 for s in profile.target_step_seconds)
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    with pytest.raises(InvalidRequestError, match=f"built and profiled for dtype {dtype}") as error:
+        LLM(engine_dir=built[0], dtype=other)
+    assert error.value.param == "dtype"
     profile.save(tmp_path / "p.json")
     again = LatencyProfile.load(tmp_path / "p.json")
     assert again == profile
