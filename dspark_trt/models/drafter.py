@@ -112,9 +112,12 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.w2 = nn.Linear(config.markov_rank, vocab, bias=False)
         nn.init.zeros_(self.w2.weight)
+        self.bf16_w2: PackedCache | None = None  # set by `DrafterBase.use_bf16_weights`
 
     def forward(self, previous_embedding: torch.Tensor, hidden: torch.Tensor, state=None):
         # W2 is [V_d, r]: its transpose as a view is the [r, V_d] GEMV operand, no copy.
+        if self.bf16_w2 is not None and not torch.is_grad_enabled():
+            return bf16_matmul(previous_embedding, self.w2.weight.t(), self.bf16_w2), None
         return matmul(previous_embedding, self.w2.weight.t()), None
 
 
@@ -159,6 +162,10 @@ class DrafterBase(nn.Module):
         """Inference with bf16 weights and fp32 activations (`models/linear.py`), LM head included."""
         use_bf16_weights(self)
         self.bf16_lm_head = PackedCache()
+        if isinstance(getattr(self, "sequential", None), MarkovHead):
+            # its bias rows (`MarkovRows` in the proposer) then come from our kernel too, not from
+            # numpy's BLAS, whose threads would contend with the kernels' spinning ones
+            self.sequential.bf16_w2 = PackedCache()
         return self
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
