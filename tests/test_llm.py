@@ -65,6 +65,16 @@ def test_chat_uses_the_chat_template(llm):
     assert out.prompt_token_ids == ids
 
 
+def test_a_template_that_refuses_the_messages_is_an_invalid_request(llm, monkeypatch):
+    """A chat template may raise (jinja's raise_exception, e.g. roles out of order): the API says
+    so as an InvalidRequestError on `messages`, never a jinja traceback."""
+    strict = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", strict)
+    with pytest.raises(InvalidRequestError, match="refused these messages: system first") as error:
+        llm.encode_chat([{"role": "user", "content": "hi"}])
+    assert error.value.param == "messages"
+
+
 @pytest.mark.parametrize("prompt, message", [("", "empty"), ([], "prompt is empty"), (None, "must be a string"), ([-1, 5], "token ids must be")])
 def test_bad_prompts(llm, prompt, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -148,7 +148,12 @@ class LLM:
             raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(f"the target {self.target.name} has no chat template", "messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError  # transformers' chat templates are jinja
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as exc:  # a template may refuse a conversation (roles out of order, ...)
+            raise InvalidRequestError(f"the chat template refused these messages: {exc}", "messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # ---- generation -------------------------------------------------------------------------
