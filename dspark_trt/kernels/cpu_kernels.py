@@ -81,6 +81,8 @@ def _compile(compiler: str) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _library, _unavailable_reason
+    if _library is not None or _unavailable_reason is not None:  # decided: no lock on the hot path
+        return _library
     with _lock:
         if _library is not None or _unavailable_reason is not None:
             return _library

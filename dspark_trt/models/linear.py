@@ -156,19 +156,17 @@ class DraftLinear(nn.Linear):
     Drafters train with autograd, so their weights stay `[out, in]` `nn.Linear` parameters (and
     checkpoints keep their names). At inference torch's default small-M SGEMM is the slow MKL
     one of the table above: a DSpark backbone layer on a block of 7 rows took 5.9 ms
-    through it and 1.6 ms through OpenBLAS. With `bf16_weights` set (`use_bf16_weights`),
+    through it and 1.6 ms through OpenBLAS. With `bf16_cache` set (`use_bf16_weights`),
     inference runs through `bf16_matmul` on a bf16 copy; training keeps the fp32 weights.
     """
 
-    bf16_weights = False
+    bf16_cache: PackedCache | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or self.bias is not None:
             return super().forward(x)
-        if self.bf16_weights:
-            if not hasattr(self, "_packed"):
-                self._packed = PackedCache()
-            return bf16_matmul(x, self.weight.t(), self._packed)
+        if self.bf16_cache is not None:
+            return bf16_matmul(x, self.weight.t(), self.bf16_cache)
         rows = x.reshape(-1, x.shape[-1])  # [rows, in]: one GEMM (and row by row when batch invariant)
         return matmul(rows, self.weight.t()).view(*x.shape[:-1], self.out_features)
 
@@ -183,4 +181,4 @@ def use_bf16_weights(module: nn.Module) -> None:
         if isinstance(layer, FrozenLinear):
             layer.weight_t.data = layer.weight_t.data.to(torch.bfloat16)
         elif isinstance(layer, DraftLinear):
-            layer.bf16_weights = True
+            layer.bf16_cache = PackedCache()

@@ -128,7 +128,6 @@ class AttentionPlan:
         self.max_position = max(c.length + n for c, n in zip(caches, num_new_tokens)) - 1
 
         self.use_kernel = use_kernel
-        self.single_feeds, self.short_rows, self.per_token = [], None, per_token
         if use_kernel:  # one call for every token: no batching, padding or masks to plan
             if self.pool.keys.dtype != torch.float32 or not self.pool.keys.is_contiguous():
                 raise ValueError("the attention kernel needs a contiguous fp32 KV pool")

@@ -59,7 +59,9 @@ def cpu_device_name() -> str:
 def torch_backend_name(device: torch.device, weight_dtype: torch.dtype) -> str:
     """The profile's `backend` for the PyTorch target: `torch-cpu` (fp32), `torch-cpu-bfloat16`, ...
     A step's cost depends on both, so a profile is only valid for the pair it was measured with."""
-    suffix = "" if weight_dtype == torch.float32 else "-" + str(weight_dtype).removeprefix("torch.")
+    from dspark_trt.models.linear import dtype_name
+
+    suffix = "" if weight_dtype == torch.float32 else "-" + dtype_name(weight_dtype)
     return f"torch-{torch.device(device).type}{suffix}"
 
 
