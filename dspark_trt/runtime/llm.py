@@ -144,6 +144,10 @@ class LLM:
         return self.tokenizer(prompt).input_ids
 
     def encode_chat(self, messages: Messages) -> list[int]:
+        return self.tokenizer(self.render_chat(messages), add_special_tokens=False).input_ids
+
+    def render_chat(self, messages: Messages) -> str:
+        """The target's chat template applied to `messages`, ready for the assistant's reply."""
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -151,10 +155,9 @@ class LLM:
         from jinja2 import TemplateError  # transformers' chat templates are jinja
 
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except TemplateError as exc:  # a template may refuse a conversation (roles out of order, ...)
             raise InvalidRequestError(f"the chat template refused these messages: {exc}", "messages") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # ---- generation -------------------------------------------------------------------------
 

@@ -32,7 +32,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as RouteError
@@ -202,19 +201,15 @@ class Server:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         named = [{**message, "name": m.name} if m.name is not None else message
                  for message, m in zip(messages, body.messages)]
-        try:
-            if named != messages and getattr(self.llm.tokenizer, "chat_template", None):
-                if self._render_chat(named) == self._render_chat(messages):
-                    first = next(i for i, m in enumerate(body.messages) if m.name is not None)
-                    raise InvalidRequestError(f"the chat template of {self.model_name} has no place for a message's "
-                                              "name, so it would be ignored; leave it out", f"messages.{first}.name")
-                messages = named
-            return self.llm.encode_chat(messages)
-        except TemplateError as e:  # templates may refuse a conversation (e.g. roles out of order)
-            raise InvalidRequestError(f"the chat template refused these messages: {e}", "messages") from None
-
-    def _render_chat(self, messages: list[dict]) -> str:
-        return self.llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # A template that refuses a conversation (roles out of order, ...) is an InvalidRequestError
+        # from the LLM's render_chat, so a 400 like any other.
+        if named != messages and getattr(self.llm.tokenizer, "chat_template", None):
+            if self.llm.render_chat(named) == self.llm.render_chat(messages):
+                first = next(i for i, m in enumerate(body.messages) if m.name is not None)
+                raise InvalidRequestError(f"the chat template of {self.model_name} has no place for a message's "
+                                          "name, so it would be ignored; leave it out", f"messages.{first}.name")
+            messages = named
+        return self.llm.encode_chat(messages)
 
     def _sampling_params(self, body, prompt_ids: list[int], chat: bool) -> SamplingParams:
         context = self.llm.engine.context_length
