@@ -178,6 +178,37 @@ def test_a_profile_is_only_used_with_the_dtype_it_was_measured_in(tiny_llama, tm
     assert LLM(target=tiny_llama, dtype="bfloat16", profile=tmp_path / "bf16.json").engine.profile == measured
 
 
+@needs_kernel
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_fused_pass_computes_what_the_layer_by_layer_pass_computes(tiny_factory, architecture):
+    """The bf16 target's one-call C pass (norms, RoPE, KV writes, attention, SiLU, residuals,
+    final norm and LM head) against the same weights through PyTorch ops, layer by layer: the
+    same logits, features and cache contents within fp32 rounding, over ragged steps (prefill
+    chunks beside decode tokens and blocks), biased (Qwen2) and qk-normed (Qwen3) layers."""
+    model = load_target(tiny_factory(architecture), torch.bfloat16).model
+    generator = torch.Generator().manual_seed(7)
+    fused_pool, layerwise_pool = model.new_pool(3, 96), model.new_pool(3, 96)
+    fused_caches = [fused_pool.allocate() for _ in range(3)]
+    layerwise_caches = [layerwise_pool.allocate() for _ in range(3)]
+    for counts, rows, layers in (([30, 7, 1], None, (0, 3)), ([1, 8, 12], torch.tensor([0, 3, 20]), (2,)),
+                                 ([5, 1, 1], torch.tensor([6]), ())):
+        tokens = torch.randint(0, model.config.vocab_size, (sum(counts),), generator=generator)
+        fused = model.forward(tokens, counts, fused_caches, logits_indices=rows, feature_layers=layers)
+        layerwise = model.layerwise_forward(tokens, counts, layerwise_caches, logits_indices=rows,
+                                            feature_layers=layers)
+        scale = layerwise.logits.abs().max()
+        assert fused.logits.shape == layerwise.logits.shape
+        assert (fused.logits - layerwise.logits).abs().max() < 1e-4 * scale
+        assert torch.equal(fused.logits.argmax(-1), layerwise.logits.argmax(-1))
+        if layers:
+            assert (fused.features - layerwise.features).abs().max() < 1e-4 * layerwise.features.abs().max()
+        else:
+            assert fused.features is None and layerwise.features is None
+        assert [c.length for c in fused_caches] == [c.length for c in layerwise_caches]
+        assert (fused_pool.keys - layerwise_pool.keys).abs().max() < 1e-4 * layerwise_pool.keys.abs().max()
+        assert (fused_pool.values - layerwise_pool.values).abs().max() < 1e-4 * layerwise_pool.values.abs().max()
+
+
 # ---- batch invariance at full speed -------------------------------------------------------------
 
 

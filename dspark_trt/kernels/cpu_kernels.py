@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,6 +80,29 @@ def _compile(compiler: str) -> Path:
     return library
 
 
+_pointer = ctypes.c_void_p
+
+
+class _DecoderLayer(ctypes.Structure):  # decoder_layer in cpu_kernels.c
+    _fields_ = [(name, _pointer) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv", "o", "gate_up",
+                                              "down", "qkv_bias", "o_bias")]
+
+
+class _DecoderModel(ctypes.Structure):  # decoder_model
+    _fields_ = [*((name, ctypes.c_long) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                     "intermediate", "vocab")),
+                ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_DecoderLayer)), ("final_norm", _pointer),
+                ("lm_head", _pointer)]
+
+
+class _DecoderCall(ctypes.Structure):  # decoder_call
+    _fields_ = [("tokens", ctypes.c_long), ("slots", _pointer), ("positions", _pointer), ("keys", _pointer),
+                ("values", _pointer), ("layer_stride", ctypes.c_long), ("slot_stride", ctypes.c_long),
+                ("head_stride", ctypes.c_long), ("rope_cos", _pointer), ("rope_sin", _pointer),
+                ("feature_layers", _pointer), ("num_features", ctypes.c_long), ("features", _pointer),
+                ("logit_rows", _pointer), ("num_logits", ctypes.c_long), ("logits", _pointer)]
+
+
 def _load() -> ctypes.CDLL | None:
     global _library, _unavailable_reason
     if _library is not None or _unavailable_reason is not None:  # decided: no lock on the hot path
@@ -104,6 +128,9 @@ def _load() -> ctypes.CDLL | None:
                 library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
                                                      void, void, ctypes.c_float, void, long_]
                 library.dspark_attention.restype = ctypes.c_int
+                library.dspark_decoder_forward.argtypes = [ctypes.POINTER(_DecoderModel), void,
+                                                           ctypes.POINTER(_DecoderCall)]
+                library.dspark_decoder_forward.restype = ctypes.c_int
                 library.dspark_start_threads.argtypes = [ctypes.c_int]
                 library.dspark_start_threads.restype = ctypes.c_int
                 library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
@@ -178,3 +205,101 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     if status != 0:
         raise MemoryError("the attention kernel could not allocate its scores")
     return out
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One decoder layer's weights as the fused pass takes them (norm weights fp32 `[dim]`)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: PackedWeight  # [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v columns in that order
+    o: PackedWeight
+    gate_up: PackedWeight  # [hidden, 2 * intermediate]: gate columns, then up
+    down: PackedWeight
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # per-head norms of qk-norm models (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+
+
+class FusedDecoder:
+    """A Llama-family decoder's weights, described once for `dspark_decoder_forward`.
+
+    Holds references to every tensor it points at, so they live as long as it does. Build it
+    after the weights are final; it reads them, never copies them (except to make them fp32
+    and contiguous).
+    """
+
+    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights], final_norm: torch.Tensor,
+                 lm_head: PackedWeight):
+        self.shape = shape
+        self._keep = []  # every tensor the structs point at
+
+        def address(tensor: torch.Tensor | None) -> int | None:
+            if tensor is None:
+                return None
+            tensor = tensor.detach().float().contiguous()
+            self._keep.append(tensor)
+            return tensor.data_ptr()
+
+        for layer in layers:
+            for name, packed in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
+                if packed.data.dtype != torch.bfloat16:
+                    raise ValueError(f"{name}: the fused pass takes bf16 packed weights")
+        self._layers = (_DecoderLayer * len(layers))()
+        for slot, layer in zip(self._layers, layers):
+            for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv_bias", "o_bias"):
+                setattr(slot, name, address(getattr(layer, name)))
+            for name in ("qkv", "o", "gate_up", "down"):
+                packed = getattr(layer, name)
+                self._keep.append(packed.data)
+                setattr(slot, name, packed.data.data_ptr())
+        self._keep.append(lm_head.data)
+        self._model = _DecoderModel(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                                    shape.intermediate, shape.vocab, shape.eps, self._layers,
+                                    address(final_norm), lm_head.data.data_ptr())
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                positions: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                feature_layers: tuple[int, ...], logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run every layer over `x` `[tokens, hidden]` (fp32, embedded; overwritten).
+
+        keys/values: the whole KV pool `[layers, slots, kv_heads, capacity, head_dim]` (contiguous
+        fp32), written at `(slots[t], positions[t])` for token t, which sees keys `0 ..
+        positions[t]` of its slot (the caller checks `positions < capacity`). rope_cos/rope_sin:
+        `[>max position, head_dim]`. Returns the logits `[len(logit_rows) or tokens, vocab]` and
+        the outputs of `feature_layers` `[tokens, len(feature_layers) * hidden]` (None if none).
+        """
+        shape = self.shape
+        tokens = x.shape[0]
+        for name, tensor in (("x", x), ("keys", keys), ("values", values), ("rope_cos", rope_cos),
+                             ("rope_sin", rope_sin)):
+            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous fp32 tensor")
+        slots, positions = slots.contiguous(), positions.contiguous()
+        rows = None if logit_rows is None else logit_rows.to(torch.long).contiguous()
+        num_logits = tokens if rows is None else rows.shape[0]
+        logits = torch.empty(num_logits, shape.vocab, dtype=torch.float32)
+        wanted = torch.tensor(feature_layers, dtype=torch.long)
+        features = torch.empty(tokens, len(feature_layers) * shape.hidden) if feature_layers else None
+        _, num_slots, kv_heads, capacity, head_dim = keys.shape
+        call = _DecoderCall(tokens, slots.data_ptr(), positions.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                            keys[0].numel(), kv_heads * capacity * head_dim, capacity * head_dim,
+                            rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(), len(feature_layers),
+                            None if features is None else features.data_ptr(),
+                            None if rows is None else rows.data_ptr(), num_logits, logits.data_ptr())
+        if tokens and _library.dspark_decoder_forward(ctypes.byref(self._model), x.data_ptr(), ctypes.byref(call)):
+            raise MemoryError("the fused decoder pass could not allocate its scratch memory")
+        return logits, features

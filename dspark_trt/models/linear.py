@@ -142,6 +142,10 @@ class FrozenLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self._packed = PackedCache()
 
+    def packed(self):
+        """The kernel's packed bf16 copy of this weight (`cpu_kernels.PackedWeight`)."""
+        return self._packed.get(self.weight_t)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
         if self.weight_t.dtype == torch.bfloat16 and x.dtype != torch.bfloat16:

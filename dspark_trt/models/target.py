@@ -259,6 +259,8 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
+        self._fused = None  # cpu_kernels.FusedDecoder, built on first use (`_fused_decoder`)
+        self._fused_key = None
 
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         """KV memory for `num_slots` concurrent requests of up to `slot_capacity` tokens each."""
@@ -294,7 +296,52 @@ class TargetModel(nn.Module):
         """
         if len(num_new_tokens) != len(caches) or sum(num_new_tokens) != token_ids.shape[0]:
             raise ValueError("num_new_tokens must give one count per cache and sum to len(token_ids)")
-        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant, use_kernel=self._kernel_attention())
+        if self._kernel_attention():  # bf16 on a CPU with our kernels: one C call for the whole pass
+            return self._fused_forward(token_ids, num_new_tokens, caches, logits_indices, feature_layers)
+        return self.layerwise_forward(token_ids, num_new_tokens, caches, logits_indices, feature_layers,
+                                      batch_invariant)
+
+    def _fused_forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
+                       logits_indices: torch.Tensor | None, feature_layers: tuple[int, ...]) -> TargetOutput:
+        """`forward` through `cpu_kernels.FusedDecoder`: the same computation as
+        `layerwise_forward` with bf16 weights (norms, RoPE, attention and SiLU in C, fp32), batch
+        invariant by construction, without ~1,000 PyTorch ops per step."""
+        plan = AttentionPlan(caches, num_new_tokens, use_kernel=True)  # checks slots, places tokens
+        cos_table, sin_table = self._rope_tables(plan.max_position + 1)
+        x = self.embed[token_ids]  # [total_tokens, hidden], a fresh fp32 copy the pass overwrites
+        logits, features = self._fused_decoder().forward(
+            x, plan.pool.keys, plan.pool.values, plan.slot_index, plan.positions, cos_table, sin_table,
+            tuple(feature_layers), logits_indices)
+        for cache, count in zip(caches, num_new_tokens):
+            cache.advance(count)
+        return TargetOutput(logits=logits, features=features)
+
+    def _fused_decoder(self):
+        """The C pass's description of the weights, rebuilt only when a weight changed."""
+        from dspark_trt.kernels import cpu_kernels
+
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if self._fused_key != key:
+            c = self.config
+            shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                             c.intermediate_size, c.vocab_size, c.rms_norm_eps)
+            layers = [cpu_kernels.DecoderLayerWeights(
+                attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm, qkv=layer.qkv.packed(), o=layer.o.packed(),
+                gate_up=layer.gate_up.packed(), down=layer.down.packed(), qkv_bias=layer.qkv.bias,
+                o_bias=layer.o.bias, q_norm=layer.q_norm, k_norm=layer.k_norm) for layer in self.layers]
+            self._fused = cpu_kernels.FusedDecoder(shape, layers, self.final_norm, self.lm_head.packed())
+            self._fused_key = key
+        return self._fused
+
+    @torch.inference_mode()
+    def layerwise_forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
+                          logits_indices: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
+                          batch_invariant: bool = False) -> TargetOutput:
+        """`forward` layer by layer through PyTorch ops: fp32 (the reference checked against
+        transformers), GPUs, bf16 without our kernels, and the reference the fused pass is
+        tested against."""
+        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant,
+                             use_kernel=self.weight_dtype == torch.bfloat16 and self._kernels_available())
         positions = plan.positions
         cos_table, sin_table = self._rope_tables(plan.max_position + 1)
         cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [tokens, 1, head_dim]
@@ -357,9 +404,12 @@ class TargetModel(nn.Module):
                 layer.down.weight_t.copy_(take(p + "mlp.down_proj.weight").t())
 
     def _kernel_attention(self) -> bool:
-        """The bf16 CPU target attends through our kernel (batch invariant at full speed); fp32
-        keeps torch's attention, the reference checked against transformers."""
-        if self.weight_dtype != torch.bfloat16 or not self.embed.is_cpu:
+        """The bf16 CPU target runs through our kernels (batch invariant at full speed); fp32
+        keeps PyTorch's ops, the reference checked against transformers."""
+        return self.weight_dtype == torch.bfloat16 and self._kernels_available()
+
+    def _kernels_available(self) -> bool:
+        if not self.embed.is_cpu:
             return False
         from dspark_trt.kernels import cpu_kernels
 
