@@ -35,8 +35,15 @@
 #define ROWS 6     /* rows per tile: 6 x 4 accumulators + a weight and a broadcast register */
 #define PREFETCH 2048  /* elements ahead (4 KB) in the group's stream */
 
-static inline __m512 widen(const uint16_t *w) {  /* 16 bf16 -> 16 fp32, exact */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+/* 32 bf16 -> two vectors of 16 fp32, exact (a bf16 is the top half of an fp32): interleaving
+ * zeros below each bf16 is one shuffle-port instruction per 16 values, leaving the FMA ports to
+ * the FMAs (~10% faster than widening by zero-extend and shift, measured). The shuffle works
+ * within 128-bit lanes, so the packing (`PackedWeight`) stores each 32 columns permuted such that
+ * the low interleave yields columns 0-15 in order and the high one columns 16-31. */
+static inline void widen32(const uint16_t *w, __m512 *low, __m512 *high) {
+    __m512i packed = _mm512_loadu_si512((const void *)w), zero = _mm512_setzero_si512();
+    *low = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, packed));
+    *high = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, packed));
 }
 
 /* e^x for 16 floats (Cephes' expf: range reduction by ln 2 in two parts, a degree-7 polynomial,
@@ -72,11 +79,12 @@ static inline __mmask16 tail_mask(long left) {  /* the first `left` of 16 lanes 
             const uint16_t *wk = w + k * GROUP;                                                     \
             _mm_prefetch((const char *)(wk + PREFETCH), _MM_HINT_T0);                               \
             _mm_prefetch((const char *)(wk + PREFETCH + 32), _MM_HINT_T0);                          \
-            for (int p = 0; p < 4; p++) {                                                           \
-                __m512 wv = widen(wk + 16 * p);                                                     \
+            __m512 wv[4];                                                                           \
+            widen32(wk, &wv[0], &wv[1]);                                                            \
+            widen32(wk + 32, &wv[2], &wv[3]);                                                       \
+            for (int p = 0; p < 4; p++)                                                             \
                 for (int r = 0; r < R; r++)                                                         \
-                    acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, acc[p][r]);     \
-            }                                                                                       \
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv[p], acc[p][r]);  \
         }                                                                                           \
         for (int p = 0; p < 4; p++) {                                                               \
             __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + 16 * p) : _mm512_setzero_ps();  \
@@ -266,23 +274,51 @@ void dspark_bf16_gemm(const float *x, long M, long ldx, const uint16_t *wp, long
  * how many tokens share the call, which feeds they belong to, or how a prompt was chunked
  * (batch invariant by construction). fp32 throughout. */
 
-#define VALUE_CHUNKS 8  /* head dims up to 128 in one pass over the values */
-
 typedef struct {
     const float *q; long ldq, heads, kv_heads, dim;
     const float *keys, *values; long slot_stride, head_stride;  /* element strides of one layer's pool */
     const long *slots, *positions; float scale; float *out; long ldo;
 } attention_args;
 
-static inline float dot(const float *a, const float *b, long dim) {
-    __m512 acc = _mm512_setzero_ps();
-    long d = 0;
-    for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    if (d < dim) {
-        __mmask16 m = (__mmask16)((1u << (dim - d)) - 1u);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+/* The 16 horizontal sums of v[0..15], as one vector (lane i = sum of v[i]'s lanes): a transpose
+ * tree of 15 shuffle/add pairs instead of 16 separate reductions. */
+static inline __m512 sum16(__m512 *v) {
+    __m512 t[8], w[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane sums of v[4i .. 4i+3] */
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
     }
-    return _mm512_reduce_add_ps(acc);
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+/* scores[j] = (q . k_j) * scale for keys j in [0, length), 16 keys at a time (a partial last
+ * block reads only its own keys). */
+static void score_keys(const float *q, const float *k, long dim, long length, float scale, float *scores) {
+    long chunks = (dim + 15) / 16;
+    __mmask16 last = tail_mask(dim - 16 * (chunks - 1));
+    for (long j0 = 0; j0 < length; j0 += 16) {
+        long n = length - j0 < 16 ? length - j0 : 16;
+        const float *block = k + j0 * dim;
+        __m512 v[16];
+        for (int i = 0; i < 16; i++) v[i] = _mm512_setzero_ps();
+        for (long c = 0; c < chunks; c++) {
+            __mmask16 m = c == chunks - 1 ? last : (__mmask16)0xFFFF;
+            __m512 qc = _mm512_maskz_loadu_ps(m, q + 16 * c);
+            if (n == 16) {
+                for (int i = 0; i < 16; i++)
+                    v[i] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, block + i * dim + 16 * c), v[i]);
+            } else {
+                for (int i = 0; i < 16; i++)
+                    if (i < n) v[i] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, block + i * dim + 16 * c), v[i]);
+            }
+        }
+        _mm512_mask_storeu_ps(scores + j0, tail_mask(n), _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale)));
+    }
 }
 
 static atomic_int attention_failed = 0;  /* set when a share could not allocate its scores */
@@ -296,7 +332,7 @@ static void attention_range(const void *ctx, long first, long last) {
         if (length > capacity) {
             free(scores);
             capacity = length > 1024 ? length : 1024;
-            scores = (float *)malloc(sizeof(float) * capacity);
+            scores = (float *)malloc(sizeof(float) * (capacity + 16));
             if (scores == 0) {
                 atomic_store(&attention_failed, 1);
                 return;
@@ -305,34 +341,41 @@ static void attention_range(const void *ctx, long first, long last) {
         const float *q = a->q + t * a->ldq + h * dim;
         long base = a->slots[t] * a->slot_stride + (h / group) * a->head_stride;
         const float *k = a->keys + base, *v = a->values + base;
-        float best = -INFINITY;
-        for (long j = 0; j < length; j++) {
-            scores[j] = dot(q, k + j * dim, dim) * a->scale;
-            best = scores[j] > best ? scores[j] : best;
-        }
-        __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(best);
+        score_keys(q, k, dim, length, a->scale, scores);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (long j = 0; j < length; j += 16)
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(length - j), scores + j));
+        __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         for (long j = 0; j < length; j += 16) {  /* 16 lanes, in one order fixed by the length */
             __mmask16 m = tail_mask(length - j);
             __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift));
             _mm512_mask_storeu_ps(scores + j, m, e);
             sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
         }
-        float total = _mm512_reduce_add_ps(sums);
+        __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
         float *o = a->out + t * a->ldo + h * dim;
-        for (long d0 = 0; d0 < dim; d0 += 16 * VALUE_CHUNKS) {  /* VALUE_CHUNKS independent FMA chains */
-            __m512 acc[VALUE_CHUNKS];
-            __mmask16 m[VALUE_CHUNKS];
-            for (int c = 0; c < VALUE_CHUNKS; c++) {
+        for (long d0 = 0; d0 < dim; d0 += 64) {  /* 64 dims at a time, even and odd keys in separate chains */
+            __m512 even[4], odd[4];
+            __mmask16 m[4];
+            for (int c = 0; c < 4; c++) {
                 m[c] = tail_mask(dim - d0 - 16 * c);
-                acc[c] = _mm512_setzero_ps();
+                even[c] = odd[c] = _mm512_setzero_ps();
             }
-            for (long j = 0; j < length; j++) {
-                __m512 weight = _mm512_set1_ps(scores[j]);
-                for (int c = 0; c < VALUE_CHUNKS; c++)
-                    acc[c] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), acc[c]);
+            long j = 0;
+            for (; j + 1 < length; j += 2) {
+                __m512 w0 = _mm512_set1_ps(scores[j]), w1 = _mm512_set1_ps(scores[j + 1]);
+                for (int c = 0; c < 4; c++) {
+                    even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
+                    odd[c] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m[c], v + (j + 1) * dim + d0 + 16 * c), odd[c]);
+                }
             }
-            for (int c = 0; c < VALUE_CHUNKS; c++)
-                _mm512_mask_storeu_ps(o + d0 + 16 * c, m[c], _mm512_div_ps(acc[c], _mm512_set1_ps(total)));
+            if (j < length) {
+                __m512 w0 = _mm512_set1_ps(scores[j]);
+                for (int c = 0; c < 4; c++)
+                    even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
+            }
+            for (int c = 0; c < 4; c++)
+                _mm512_mask_storeu_ps(o + d0 + 16 * c, m[c], _mm512_div_ps(_mm512_add_ps(even[c], odd[c]), total));
         }
     }
     free(scores);

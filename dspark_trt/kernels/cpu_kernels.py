@@ -19,7 +19,7 @@ each output is one fp32 FMA chain over k in order. A row's result never depends 
 rows (batch invariant by construction), nor on the number of threads (each thread owns whole
 columns).
 
-Needs x86-64 with AVX-512F (Intel Skylake-SP and later server CPUs, AMD Zen 4 and later) and
+Needs x86-64 with AVX-512 F and BW (Intel Skylake-SP and later server CPUs, AMD Zen 4 and later) and
 `gcc`; `available()` says why not otherwise, and callers fall back to oneDNN.
 Set `DSPARK_TRT_BF16_KERNEL=off` to force that fallback (for comparisons).
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-pthread", "-shared", "-fPIC"]
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-pthread", "-shared", "-fPIC"]
 GROUP_COLUMNS = 64  # the matmul kernel's column group (cpu_kernels.c)
 
 _lock = threading.Lock()
@@ -47,12 +47,13 @@ _library: ctypes.CDLL | None = None
 _unavailable_reason: str | None = None
 
 
-def _cpu_has_avx512f() -> bool:
+def _cpu_has_avx512() -> bool:
+    """AVX-512 F (the FMAs) and BW (the 16-bit shuffles that widen bf16 weights)."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
-    return "avx512f" in flags.split()
+    return {"avx512f", "avx512bw"} <= set(flags.split())
 
 
 def _cache_dir() -> Path:
@@ -112,8 +113,8 @@ def _load() -> ctypes.CDLL | None:
             return _library
         if os.environ.get("DSPARK_TRT_BF16_KERNEL", "").lower() in ("off", "0", "false", "no"):
             _unavailable_reason = "turned off by DSPARK_TRT_BF16_KERNEL"
-        elif not _cpu_has_avx512f():
-            _unavailable_reason = "this CPU has no AVX-512F"
+        elif not _cpu_has_avx512():
+            _unavailable_reason = "this CPU has no AVX-512 (F and BW)"
         elif (compiler := shutil.which(os.environ.get("CC", "gcc"))) is None:
             _unavailable_reason = "no C compiler (gcc) to build it"
         else:
@@ -149,8 +150,19 @@ def unavailable_reason() -> str | None:
     return _unavailable_reason
 
 
+def _widen_order() -> torch.Tensor:
+    """Which column of a 32-column block each packed position holds (see `widen32` in the C
+    source): in 128-bit lane L (8 values), the first 4 are columns 4L.., the last 4 columns 16 + 4L.."""
+    return torch.tensor([4 * lane + i if i < 4 else 16 + 4 * lane + i - 4 for lane in range(4) for i in range(8)])
+
+
+WIDEN_ORDER = _widen_order()
+UNWIDEN_ORDER = torch.argsort(WIDEN_ORDER)
+
+
 class PackedWeight:
-    """A weight `[in, out]` rounded to bf16 in the kernel's layout `[ceil(out / 64), in, 64]`."""
+    """A weight `[in, out]` rounded to bf16 in the kernel's layout `[ceil(out / 64), in, 64]`
+    (each 32 columns in `WIDEN_ORDER`)."""
 
     def __init__(self, weight_t: torch.Tensor):
         in_features, out_features = weight_t.shape
@@ -158,11 +170,13 @@ class PackedWeight:
         groups = -(-out_features // GROUP_COLUMNS)
         padded = torch.zeros(in_features, groups * GROUP_COLUMNS, dtype=torch.bfloat16)
         padded[:, :out_features] = weight_t.detach().to(torch.bfloat16)
-        self.data = padded.view(in_features, groups, GROUP_COLUMNS).transpose(0, 1).contiguous()
+        blocks = padded.view(in_features, groups, GROUP_COLUMNS // 32, 32)[..., WIDEN_ORDER]
+        self.data = blocks.reshape(in_features, groups, GROUP_COLUMNS).transpose(0, 1).contiguous()
 
     def unpack(self) -> torch.Tensor:
         """The bf16 weight `[in, out]` this holds (for readers that need it dense)."""
-        return self.data.transpose(0, 1).reshape(self.in_features, -1)[:, : self.out_features]
+        blocks = self.data.transpose(0, 1).reshape(self.in_features, -1, GROUP_COLUMNS // 32, 32)[..., UNWIDEN_ORDER]
+        return blocks.reshape(self.in_features, -1)[:, : self.out_features]
 
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
