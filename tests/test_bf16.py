@@ -99,6 +99,23 @@ def test_attention_kernel_matches_torch_attention_and_ignores_the_rest_of_the_ca
         start += count
 
 
+@needs_kernel
+def test_argmax_kernel_returns_what_torch_argmax_returns():
+    """First maximum on ties, NaN as the maximum, all -inf rows, row slices of wider tensors."""
+    from dspark_trt.runtime.sampling import greedy_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.randn(*shape, generator=generator) for shape in ((8, 49152), (1, 8192), (3, 17), (5, 1), (2, 49153))]
+    ties = torch.randint(0, 3, (50, 1000), generator=generator).float()
+    ties[3, 500] = ties[3, 700] = float("nan")
+    ties[4] = float("-inf")
+    ties[5, -1] = float("inf")
+    cases += [ties, torch.randn(2, 7, 100, generator=generator)[:, 3]]
+    for logits in cases:
+        assert torch.equal(cpu_kernels.argmax(logits), logits.argmax(-1)), logits.shape
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
 @needs_kernel  # compares the fallback with the kernel path
 def test_without_the_kernel_bf16_falls_back_to_torch_and_auto_to_float32(tiny_llama):
     """DSPARK_TRT_BF16_KERNEL=off (or no avx512_bf16 / compiler): bfloat16 runs through torch
@@ -207,6 +224,42 @@ def test_the_fused_pass_computes_what_the_layer_by_layer_pass_computes(tiny_fact
         assert [c.length for c in fused_caches] == [c.length for c in layerwise_caches]
         assert (fused_pool.keys - layerwise_pool.keys).abs().max() < 1e-4 * layerwise_pool.keys.abs().max()
         assert (fused_pool.values - layerwise_pool.values).abs().max() < 1e-4 * layerwise_pool.values.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_the_drafter_backbone_in_one_c_pass_matches_its_pytorch_layers(tiny_llama, kind):
+    """The drafter's backbone, final norm and LM head through the fused C pass (block keys written
+    past each context, every block token seeing its context and whole block) against the
+    PyTorch layers with their masks: same hidden states and logits within fp32 rounding, for
+    requests of different context lengths in non-adjacent slots; and the pass leaves the
+    context (keys, values and lengths) as it found it."""
+    from types import SimpleNamespace
+
+    target = load_target(tiny_llama, torch.bfloat16)
+    drafter = make_drafter(target, kind=kind, num_layers=2).use_bf16_weights()
+    proposer = DSparkProposer(drafter)
+    generator = torch.Generator().manual_seed(1)
+    width = len(drafter.config.feature_layers) * target.config.hidden_size
+    for request_id, length in (("a", 50), ("b", 3), ("c", 70), ("d", 20)):
+        proposer.queued[request_id] = [torch.randn(length, width, generator=generator)]
+    with torch.inference_mode():
+        proposer._catch_up([SimpleNamespace(request_id=r) for r in "abcd"])
+        proposer.pool.release("b")  # a hole between the slots that draft
+        slots = [proposer.pool.slot(r) for r in "acd"]
+        block = drafter.block_inputs(torch.tensor([5, 17, 300]), (3,))
+        context = [(k.clone(), v.clone()) for k, v in proposer.pool.gather(slots)[0]]
+        hidden, logits = proposer._torch_backbone(block.clone(), slots)
+        fused_hidden, fused_logits = proposer._kernel_backbone(drafter.kernel_backbone(), block.clone(), slots)
+        after, lengths = proposer.pool.gather(slots)
+    assert (fused_hidden - hidden).abs().max() < 1e-4 * hidden.abs().max()
+    assert (fused_logits - logits).abs().max() < 1e-4 * logits.abs().max()
+    assert torch.equal(fused_logits.argmax(-1), logits.argmax(-1))
+    assert lengths.tolist() == [50, 70, 20]
+    for (keys, values), (keys_after, values_after) in zip(context, after):
+        for row, length in enumerate(lengths.tolist()):
+            assert torch.equal(keys[row, :, :length], keys_after[row, :, :length])
+            assert torch.equal(values[row, :, :length], values_after[row, :, :length])
 
 
 # ---- batch invariance at full speed -------------------------------------------------------------

@@ -12,7 +12,7 @@ def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=
     if kind == "mtp1":
         block_size = 1
     config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
-                                      confidence=kind == "dspark", num_layers=1, markov_rank=16,
+                                      confidence=kind == "dspark", num_layers=options.pop("num_layers", 1), markov_rank=16,
                                       block_size=block_size, draft_vocab_size=vocab_size, **options)
     torch.manual_seed(0)
     drafter = build_drafter(config, torch.arange(vocab_size)).attach_target(target.model)

@@ -97,7 +97,8 @@ class _DecoderModel(ctypes.Structure):  # decoder_model
 
 
 class _DecoderCall(ctypes.Structure):  # decoder_call
-    _fields_ = [("tokens", ctypes.c_long), ("slots", _pointer), ("positions", _pointer), ("keys", _pointer),
+    _fields_ = [("tokens", ctypes.c_long), ("slots", _pointer), ("positions", _pointer), ("visible", _pointer),
+                ("keys", _pointer),
                 ("values", _pointer), ("layer_stride", ctypes.c_long), ("slot_stride", ctypes.c_long),
                 ("head_stride", ctypes.c_long), ("rope_cos", _pointer), ("rope_sin", _pointer),
                 ("feature_layers", _pointer), ("num_features", ctypes.c_long), ("features", _pointer),
@@ -132,6 +133,8 @@ def _load() -> ctypes.CDLL | None:
                 library.dspark_decoder_forward.argtypes = [ctypes.POINTER(_DecoderModel), void,
                                                            ctypes.POINTER(_DecoderCall)]
                 library.dspark_decoder_forward.restype = ctypes.c_int
+                library.dspark_argmax.argtypes = [void, long_, long_, long_, void]
+                library.dspark_argmax.restype = None
                 library.dspark_start_threads.argtypes = [ctypes.c_int]
                 library.dspark_start_threads.restype = ctypes.c_int
                 library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
@@ -221,6 +224,18 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x [rows, n]` (fp32, CPU) -> `[rows]` int64: each row's first maximum, NaN counting as the
+    maximum (what `torch.argmax` returns). Needs `available()`."""
+    rows, n = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        x = x.float().contiguous()
+    out = torch.empty(rows, dtype=torch.long)
+    if rows and n:
+        _library.dspark_argmax(x.data_ptr(), rows, n, x.stride(0), out.data_ptr())
+    return out
+
+
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One decoder layer's weights as the fused pass takes them (norm weights fp32 `[dim]`)."""
@@ -287,14 +302,17 @@ class FusedDecoder:
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                feature_layers: tuple[int, ...], logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                feature_layers: tuple[int, ...], logit_rows: torch.Tensor | None,
+                visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every layer over `x` `[tokens, hidden]` (fp32, embedded; overwritten).
 
         keys/values: the whole KV pool `[layers, slots, kv_heads, capacity, head_dim]` (contiguous
-        fp32), written at `(slots[t], positions[t])` for token t, which sees keys `0 ..
-        positions[t]` of its slot (the caller checks `positions < capacity`). rope_cos/rope_sin:
-        `[>max position, head_dim]`. Returns the logits `[len(logit_rows) or tokens, vocab]` and
-        the outputs of `feature_layers` `[tokens, len(feature_layers) * hidden]` (None if none).
+        fp32), written at `(slots[t], positions[t])` for token t (rotated by `positions[t]`),
+        which sees keys `0 .. visible[t]` of its slot (default `positions[t]`: causal). The
+        caller checks that every position and visible index is below the capacity.
+        rope_cos/rope_sin: `[>max position, head_dim]`. Returns the logits `[len(logit_rows) or
+        tokens, vocab]` and the outputs of `feature_layers` `[tokens, len(feature_layers) * hidden]`
+        (None if none).
         """
         shape = self.shape
         tokens = x.shape[0]
@@ -302,14 +320,17 @@ class FusedDecoder:
                              ("rope_sin", rope_sin)):
             if tensor.dtype != torch.float32 or not tensor.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous fp32 tensor")
-        slots, positions = slots.contiguous(), positions.contiguous()
+        slots, positions = slots.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
+        if visible is not None:
+            visible = visible.to(torch.long).contiguous()
         rows = None if logit_rows is None else logit_rows.to(torch.long).contiguous()
         num_logits = tokens if rows is None else rows.shape[0]
         logits = torch.empty(num_logits, shape.vocab, dtype=torch.float32)
         wanted = torch.tensor(feature_layers, dtype=torch.long)
         features = torch.empty(tokens, len(feature_layers) * shape.hidden) if feature_layers else None
         _, num_slots, kv_heads, capacity, head_dim = keys.shape
-        call = _DecoderCall(tokens, slots.data_ptr(), positions.data_ptr(), keys.data_ptr(), values.data_ptr(),
+        call = _DecoderCall(tokens, slots.data_ptr(), positions.data_ptr(),
+                            None if visible is None else visible.data_ptr(), keys.data_ptr(), values.data_ptr(),
                             keys[0].numel(), kv_heads * capacity * head_dim, capacity * head_dim,
                             rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(), len(feature_layers),
                             None if features is None else features.data_ptr(),

@@ -236,9 +236,47 @@ class DSparkDrafter(DrafterBase):
             self.sequential = RNNHead(config, vocab_size)
         if config.confidence:
             self.confidence = nn.Linear(d + config.markov_rank, 1)
+        self._fused = None  # cpu_kernels.FusedDecoder of the backbone, built by `kernel_backbone`
+        self._fused_key = None
+        self._parameter_list = None
+        self._rope = (torch.empty(0), torch.empty(0))
 
     def draft_layers(self) -> list[DraftLayer]:
         return list(self.layers)
+
+    def kernel_backbone(self):
+        """The backbone, final norm and draft LM head as one C pass (`cpu_kernels.FusedDecoder`:
+        the same layers as `DraftLayer` computes, with bf16 weights), or None where it does not
+        run: fp32 weights, a GPU, no kernels, or with gradients (training)."""
+        if self.bf16_lm_head is None or torch.is_grad_enabled() or not self.mask_embedding.is_cpu:
+            return None
+        from dspark_trt.kernels import cpu_kernels
+
+        if not cpu_kernels.available():
+            return None
+        if self._parameter_list is None:  # `parameters()` walks the module tree: take the list once
+            self._parameter_list = list(self.parameters())
+        key = (*((p.data_ptr(), p._version) for p in self._parameter_list), self.lm_head_t.data_ptr())
+        if self._fused_key != key:
+            c = self.config
+            shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                             c.intermediate_size, self.draft_vocab.numel(), c.rms_norm_eps)
+            layers = [cpu_kernels.DecoderLayerWeights(
+                attn_norm=layer.attn_norm.weight, mlp_norm=layer.mlp_norm.weight,
+                qkv=cpu_kernels.PackedWeight(torch.cat([layer.q.weight, layer.kv.weight]).t()),
+                o=cpu_kernels.PackedWeight(layer.o.weight.t()), gate_up=cpu_kernels.PackedWeight(layer.gate_up.weight.t()),
+                down=cpu_kernels.PackedWeight(layer.down.weight.t())) for layer in self.layers]
+            self._fused = cpu_kernels.FusedDecoder(shape, layers, self.final_norm.weight,
+                                                   cpu_kernels.PackedWeight(self.lm_head_t))
+            self._fused_key = key
+        return self._fused
+
+    def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[>= size, head_dim]` by position (the rows `rope_tables` gives), kept between calls."""
+        if self._rope[0].shape[0] < size:
+            cos, sin = rope_tables(torch.arange(max(2 * size, 1024)), self.config.head_dim, self.config.rope_theta)
+            self._rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
+        return self._rope
 
     # ---- the backbone ------------------------------------------------------------------------
 

@@ -261,6 +261,7 @@ class TargetModel(nn.Module):
         self._rope_sin = torch.empty(0)
         self._fused = None  # cpu_kernels.FusedDecoder, built on first use (`_fused_decoder`)
         self._fused_key = None
+        self._parameter_list = None  # taken once by `_weights_key`
 
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         """KV memory for `num_slots` concurrent requests of up to `slot_capacity` tokens each."""
@@ -316,11 +317,18 @@ class TargetModel(nn.Module):
             cache.advance(count)
         return TargetOutput(logits=logits, features=features)
 
+    def _weights_key(self) -> tuple:
+        """Changes whenever a parameter is replaced or written in place. `parameters()` walks
+        the module tree (~2 ms per step here), so the list is taken once."""
+        if self._parameter_list is None:
+            self._parameter_list = list(self.parameters())
+        return tuple((p.data_ptr(), p._version) for p in self._parameter_list)
+
     def _fused_decoder(self):
         """The C pass's description of the weights, rebuilt only when a weight changed."""
         from dspark_trt.kernels import cpu_kernels
 
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        key = self._weights_key()
         if self._fused_key != key:
             c = self.config
             shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,

@@ -26,7 +26,7 @@ from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, rope_tables
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.sampling import sample
+from dspark_trt.runtime.sampling import greedy_tokens, sample
 
 
 class ContextCache:
@@ -58,14 +58,15 @@ class ContextCache:
 
 
 class ContextPool:
-    """Drafter context keys/values of every request: per layer `[slots, kv_heads, capacity, head_dim]`.
+    """Drafter context keys/values of every request: `[layers, slots, kv_heads, capacity, head_dim]`
+    (the target's KV pool layout, so the C backbone pass reads it as it reads that one).
 
     Slots and capacity grow by doubling (copying) as requests arrive and contexts lengthen.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int):
-        self.keys = [torch.zeros(0, num_kv_heads, 64, head_dim) for _ in range(num_layers)]
-        self.values = [torch.zeros(0, num_kv_heads, 64, head_dim) for _ in range(num_layers)]
+        self.keys = torch.zeros(num_layers, 0, num_kv_heads, 64, head_dim)
+        self.values = torch.zeros_like(self.keys)
         self.lengths: list[int] = []
         self.slot_of: dict[str, int] = {}
         self.free: list[int] = []
@@ -87,25 +88,28 @@ class ContextPool:
             self.lengths[slot] = 0
             self.free.append(slot)
 
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions in every slot."""
+        if length > self.keys.shape[3]:
+            self._grow(capacity=max(2 * self.keys.shape[3], length))
+
     def _grow(self, slots: int | None = None, capacity: int | None = None) -> None:
-        old_slots, old_capacity = self.keys[0].shape[0], self.keys[0].shape[2]
+        layers, old_slots, kv_heads, old_capacity, head_dim = self.keys.shape
         slots, capacity = slots or old_slots, capacity or old_capacity
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                grown = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
-                grown[:old_slots, :, :old_capacity] = old
-                store[i] = grown
+        for name in ("keys", "values"):
+            grown = self.keys.new_zeros(layers, slots, kv_heads, capacity, head_dim)
+            grown[:, :old_slots, :, :old_capacity] = getattr(self, name)
+            setattr(self, name, grown)
         self.lengths.extend([0] * (slots - old_slots))
 
     def append(self, slot: int, per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Append keys/values `[kv_heads, n, head_dim]` per layer at the end of `slot`'s context."""
         count = per_layer[0][0].shape[1]
         start = self.lengths[slot]
-        if start + count > self.keys[0].shape[2]:
-            self._grow(capacity=max(2 * self.keys[0].shape[2], start + count))
+        self.reserve(start + count)
         for i, (k, v) in enumerate(per_layer):
-            self.keys[i][slot, :, start : start + count] = k
-            self.values[i][slot, :, start : start + count] = v
+            self.keys[i, slot, :, start : start + count] = k
+            self.values[i, slot, :, start : start + count] = v
         self.lengths[slot] = start + count
 
     def gather(self, slots: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -117,10 +121,9 @@ class ContextPool:
         max_len = max(int(lengths.max()), 1)
         if slots == list(range(slots[0], slots[0] + len(slots))):
             pick = slice(slots[0], slots[0] + len(slots))
-            views = [(k[pick, :, :max_len], v[pick, :, :max_len]) for k, v in zip(self.keys, self.values)]
         else:
-            index = torch.tensor(slots)
-            views = [(k[index, :, :max_len], v[index, :, :max_len]) for k, v in zip(self.keys, self.values)]
+            pick = torch.tensor(slots)
+        views = [(self.keys[i, pick, :, :max_len], self.values[i, pick, :, :max_len]) for i in range(self.keys.shape[0])]
         return views, lengths
 
 
@@ -222,6 +225,39 @@ class DSparkProposer:
             self.pool.append(slot, [(k[:, offset : offset + count], v[:, offset : offset + count]) for k, v in per_layer])
             offset += count
 
+    def _torch_backbone(self, block: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `[N, gamma, d]` of the requests in `slots` -> hidden `[N, gamma, d]`, U `[N, gamma, V_d]`."""
+        drafter, gamma = self.drafter, self.block_size
+        context_kv, lengths = self.pool.gather(slots)
+        max_len = context_kv[0][0].shape[2]
+        # Block of request r at positions lengths[r] .. +gamma-1 (the pending token's position is
+        # its context length); it sees its own context (< its length) and its whole block.
+        positions = lengths[:, None] + torch.arange(gamma)  # [N, gamma]
+        visible_context = torch.arange(max_len)[None] < lengths[:, None]  # [N, max_len]
+        mask = torch.cat([visible_context[:, None].expand(-1, gamma, -1),
+                          torch.ones(len(slots), gamma, gamma, dtype=torch.bool)], dim=-1)  # [N, gamma, ctx+gamma]
+        hidden = drafter.backbone(block, positions, context_kv, mask)  # [N, gamma, d]
+        return hidden, drafter.backbone_logits(hidden)
+
+    def _kernel_backbone(self, fused, block: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_torch_backbone` as one C pass: each block's keys/values are written into the pool
+        just past its context (scratch: the context length does not move, so the next catch-up
+        overwrites them), and every block token sees keys 0 .. length + gamma - 1 of its slot,
+        i.e. its context and its whole block, as the torch path's mask says."""
+        drafter, gamma = self.drafter, self.block_size
+        num_requests, _, d = block.shape
+        lengths = torch.tensor([self.pool.lengths[s] for s in slots])
+        self.pool.reserve(int(lengths.max()) + gamma)
+        positions = (lengths[:, None] + torch.arange(gamma)).reshape(-1)  # [N * gamma]
+        visible = (lengths + gamma - 1).repeat_interleave(gamma)
+        cos, sin = drafter.rope_table(int(positions.max()) + 1)
+        last_layer = (len(drafter.layers) - 1,)
+        logits, states = fused.forward(block.reshape(-1, d).contiguous(), self.pool.keys, self.pool.values,
+                                       torch.tensor(slots).repeat_interleave(gamma), positions, cos, sin, last_layer,
+                                       None, visible)
+        hidden = drafter.final_norm(states).view(num_requests, gamma, d)
+        return hidden, logits.view(num_requests, gamma, -1)
+
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> list[Draft]:
         if not requests:
@@ -231,19 +267,15 @@ class DSparkProposer:
         slots = [self.pool.slot(r.request_id) for r in requests]
         order = sorted(range(len(requests)), key=lambda i: slots[i])  # slot order: contiguous views
         requests = [requests[i] for i in order]
-        context_kv, lengths = self.pool.gather([slots[i] for i in order])
-        num_requests, max_len = len(requests), context_kv[0][0].shape[2]
-
-        # Block of request r at positions lengths[r] .. +gamma-1 (the pending token's position is
-        # its context length); it sees its own context (< its length) and its whole block.
-        positions = lengths[:, None] + torch.arange(gamma)  # [N, gamma]
-        visible_context = torch.arange(max_len)[None] < lengths[:, None]  # [N, max_len]
-        mask = torch.cat([visible_context[:, None].expand(-1, gamma, -1),
-                          torch.ones(num_requests, gamma, gamma, dtype=torch.bool)], dim=-1)  # [N, gamma, ctx+gamma]
+        slots = [slots[i] for i in order]
+        num_requests = len(requests)
         anchors = torch.tensor([r.pending_token for r in requests])
         block = drafter.block_inputs(anchors, (num_requests,))  # [N, gamma, d]
-        hidden = drafter.backbone(block, positions, context_kv, mask)  # [N, gamma, d]
-        backbone_logits = drafter.backbone_logits(hidden)  # [N, gamma, V_d]
+        fused = drafter.kernel_backbone()
+        if fused is not None:
+            hidden, backbone_logits = self._kernel_backbone(fused, block, slots)
+        else:
+            hidden, backbone_logits = self._torch_backbone(block, slots)
 
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
@@ -255,7 +287,7 @@ class DSparkProposer:
             logits = backbone_logits[:, k]  # [N, V_d]
             if bias is not None:
                 logits.add_(bias)  # in place: U_k is not needed again
-            choice = logits.argmax(-1)
+            choice = greedy_tokens(logits)
             if sampled:  # greedy requests need no distribution: verification compares tokens
                 probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
                 for i in sampled:

@@ -32,12 +32,7 @@ from dspark_trt.models.target import TargetModel
 from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Draft, Proposer
 from dspark_trt.runtime.request import FinishReason, Request
-from dspark_trt.runtime.sampling import (
-    SamplingParams,
-    sample,
-    target_probs,
-    verify_draft,
-)
+from dspark_trt.runtime.sampling import SamplingParams, next_token, target_probs, verify_draft
 from dspark_trt.runtime.scheduler import VerifyPolicy, make_policy, prefix_survival
 from dspark_trt.runtime.threads import ensure_cpu_threads_cooperate
 
@@ -268,17 +263,19 @@ class Engine:
                 num_kept, num_logit_rows = len(tokens), 0 if request.in_prefill else 1
                 logits = logits_rows[row : row + num_logit_rows]
                 if num_logit_rows:
-                    self._commit(request, [sample(target_probs(logits, request.params)[0], request.generator)])
+                    self._commit(request, [next_token(logits[0], request.params, request.generator)])
             else:  # anchor + draft block: verify
                 logits = logits_rows[row : row + len(tokens)]
                 num_logit_rows = len(tokens)
-                num_accepted, next_token = verify_draft(draft.tokens, draft.probs, target_probs(logits, request.params),
-                                                        request.generator, request.params.greedy)
+                greedy = request.params.greedy  # greedy verification reads the argmax only: logits will do
+                num_accepted, corrected = verify_draft(draft.tokens, draft.probs,
+                                                       logits if greedy else target_probs(logits, request.params),
+                                                       request.generator, greedy)
                 request.stats.record(len(draft.tokens), num_accepted)
                 self.counters.record_verification(len(draft.tokens), num_accepted)
                 # The cache holds [.., pending, d_1..d_l]; keep pending and the accepted drafts.
                 request.cache.truncate(request.cache.length - len(draft.tokens) + num_accepted)
-                self._commit(request, draft.tokens[:num_accepted] + [next_token])
+                self._commit(request, draft.tokens[:num_accepted] + [corrected])
                 num_kept = 1 + num_accepted
                 logits = logits[:num_kept]
             # Hand over what the kept positions produced; rejected drafts' rows are dropped
