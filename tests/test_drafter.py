@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dspark_trt import LLM, ModelLoadError, SamplingParams
+from dspark_trt import LLM, DsparkError, ModelLoadError, SamplingParams
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
@@ -45,6 +45,19 @@ def test_datagen_features_equal_a_fresh_target_pass(target, dataset, tmp_path):
         assert a.features.shape == b.features.shape == (a.token_ids.numel() - 1, 3 * target.config.hidden_size)
         assert (a.features.float() - b.features.float()).abs().max() < 2e-2
         assert (a.logsumexp - b.logsumexp).abs().max() < 1e-3
+
+
+def test_training_reads_datagen_rows_compressed_as_committed(dataset, tmp_path):
+    """Datagen appends to plain JSONL (resumable); the repository keeps it gzip-compressed."""
+    import gzip
+
+    rows, _ = dataset
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    assert read_rows(path) == rows
+    with pytest.raises(DsparkError, match="plain JSONL"):
+        generate_dataset(None, [], path, DatagenConfig())
 
 
 def test_sharded_datagen_writes_what_one_run_writes(target, tmp_path):

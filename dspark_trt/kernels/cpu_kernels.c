@@ -321,76 +321,140 @@ static void score_keys(const float *q, const float *k, long dim, long length, fl
     }
 }
 
-static atomic_int attention_failed = 0;  /* set when a share could not allocate its scores */
+static atomic_int attention_failed = 0;  /* set when a share could not allocate its scratch */
 
-static void attention_range(const void *ctx, long first, long last) {
-    const attention_args *a = (const attention_args *)ctx;
-    long dim = a->dim, group = a->heads / a->kv_heads, capacity = 0;
+#define RUN_TOKENS 16  /* queries of one slot attended together (they share each key and value load) */
+
+typedef struct { const attention_args *a; const long *run_start; long num_runs; } run_args;
+
+/* One item = (run of up to RUN_TOKENS consecutive tokens of one slot, head). The run's queries
+ * go over the keys block by block (16 keys, 4 KB at head_dim 64, read from L2 once and then
+ * from L1 by every query) and over the values likewise, but each query's arithmetic is exactly
+ * what it would be alone: its scores over keys 0..visible, in 16-key blocks from key 0; its
+ * softmax over its own length; its weighted sum in two chains (even and odd keys) in key
+ * order, kept in memory between blocks (exact). So a token's output still depends on its
+ * query and its slot's keys/values only (batch invariant by construction). */
+static void attention_runs(const void *ctx, long first, long last) {
+    const run_args *ra = (const run_args *)ctx;
+    const attention_args *a = ra->a;
+    long dim = a->dim, group = a->heads / a->kv_heads, padded = (dim + 63) / 64 * 64;
+    long score_capacity = 0;
     float *scores = 0;
+    float *sums = (float *)aligned_alloc(64, sizeof(float) * RUN_TOKENS * 2 * padded);  /* even, odd per query */
+    float totals[RUN_TOKENS];
+    long lengths[RUN_TOKENS];
+    if (sums == 0) {
+        atomic_store(&attention_failed, 1);
+        return;
+    }
     for (long item = first; item < last; item++) {
-        long t = item / a->heads, h = item % a->heads, length = a->positions[t] + 1;
-        if (length > capacity) {
+        long run = item / a->heads, h = item % a->heads;
+        long t0 = ra->run_start[run], n = ra->run_start[run + 1] - t0, longest = 0;
+        for (long i = 0; i < n; i++) {
+            lengths[i] = a->positions[t0 + i] + 1;
+            longest = lengths[i] > longest ? lengths[i] : longest;
+        }
+        long stride = (longest + 15) / 16 * 16;  /* a query's score row */
+        if (n * stride > score_capacity) {
             free(scores);
-            capacity = length > 1024 ? length : 1024;
-            scores = (float *)malloc(sizeof(float) * (capacity + 16));
+            score_capacity = n * stride > 16384 ? n * stride : 16384;
+            scores = (float *)malloc(sizeof(float) * score_capacity);
             if (scores == 0) {
                 atomic_store(&attention_failed, 1);
-                return;
+                break;
             }
         }
-        const float *q = a->q + t * a->ldq + h * dim;
-        long base = a->slots[t] * a->slot_stride + (h / group) * a->head_stride;
+        long base = a->slots[t0] * a->slot_stride + (h / group) * a->head_stride;
         const float *k = a->keys + base, *v = a->values + base;
-        score_keys(q, k, dim, length, a->scale, scores);
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (long j = 0; j < length; j += 16)
-            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(length - j), scores + j));
-        __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        for (long j = 0; j < length; j += 16) {  /* 16 lanes, in one order fixed by the length */
-            __mmask16 m = tail_mask(length - j);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift));
-            _mm512_mask_storeu_ps(scores + j, m, e);
-            sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(m, e));
-        }
-        __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sums));
-        float *o = a->out + t * a->ldo + h * dim;
-        for (long d0 = 0; d0 < dim; d0 += 64) {  /* 64 dims at a time, even and odd keys in separate chains */
-            __m512 even[4], odd[4];
-            __mmask16 m[4];
-            for (int c = 0; c < 4; c++) {
-                m[c] = tail_mask(dim - d0 - 16 * c);
-                even[c] = odd[c] = _mm512_setzero_ps();
+        for (long j0 = 0; j0 < longest; j0 += 16)  /* scores, block by block */
+            for (long i = 0; i < n; i++)
+                if (j0 < lengths[i]) {
+                    long count = lengths[i] - j0 < 16 ? lengths[i] - j0 : 16;
+                    score_keys(a->q + (t0 + i) * a->ldq + h * dim, k + j0 * dim, dim, count, a->scale,
+                               scores + i * stride + j0);
+                }
+        for (long i = 0; i < n; i++) {  /* softmax of each query over its own keys */
+            float *row = scores + i * stride;
+            long length = lengths[i];
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (long j = 0; j < length; j += 16)
+                top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(length - j), row + j));
+            __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+            for (long j = 0; j < length; j += 16) {  /* 16 lanes, in one order fixed by the length */
+                __mmask16 m = tail_mask(length - j);
+                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift));
+                _mm512_mask_storeu_ps(row + j, m, e);
+                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
             }
-            long j = 0;
-            for (; j + 1 < length; j += 2) {
-                __m512 w0 = _mm512_set1_ps(scores[j]), w1 = _mm512_set1_ps(scores[j + 1]);
-                for (int c = 0; c < 4; c++) {
-                    even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
-                    odd[c] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m[c], v + (j + 1) * dim + d0 + 16 * c), odd[c]);
+            totals[i] = _mm512_reduce_add_ps(total);
+            for (long d = 0; d < 2 * padded; d += 16) _mm512_store_ps(sums + i * 2 * padded + d, _mm512_setzero_ps());
+        }
+        for (long j0 = 0; j0 < longest; j0 += 16) {  /* weighted values, block by block */
+            for (long i = 0; i < n; i++) {
+                long end = lengths[i] < j0 + 16 ? lengths[i] : j0 + 16;
+                const float *weights = scores + i * stride;
+                for (long d0 = 0; d0 < dim; d0 += 64) {
+                    float *even_sums = sums + i * 2 * padded + d0, *odd_sums = even_sums + padded;
+                    __m512 even[4], odd[4];
+                    __mmask16 m[4];
+                    for (int c = 0; c < 4; c++) {
+                        m[c] = tail_mask(dim - d0 - 16 * c);
+                        even[c] = _mm512_load_ps(even_sums + 16 * c);
+                        odd[c] = _mm512_load_ps(odd_sums + 16 * c);
+                    }
+                    long j = j0;
+                    for (; j + 1 < end; j += 2) {
+                        __m512 w0 = _mm512_set1_ps(weights[j]), w1 = _mm512_set1_ps(weights[j + 1]);
+                        for (int c = 0; c < 4; c++) {
+                            even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
+                            odd[c] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m[c], v + (j + 1) * dim + d0 + 16 * c),
+                                                     odd[c]);
+                        }
+                    }
+                    if (j < end) {  /* the last key of an odd-length query: its even chain */
+                        __m512 w0 = _mm512_set1_ps(weights[j]);
+                        for (int c = 0; c < 4; c++)
+                            even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
+                    }
+                    for (int c = 0; c < 4; c++) {
+                        _mm512_store_ps(even_sums + 16 * c, even[c]);
+                        _mm512_store_ps(odd_sums + 16 * c, odd[c]);
+                    }
                 }
             }
-            if (j < length) {
-                __m512 w0 = _mm512_set1_ps(scores[j]);
-                for (int c = 0; c < 4; c++)
-                    even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
+        }
+        for (long i = 0; i < n; i++) {
+            float *o = a->out + (t0 + i) * a->ldo + h * dim;
+            const float *even_sums = sums + i * 2 * padded, *odd_sums = even_sums + padded;
+            for (long d = 0; d < dim; d += 16) {
+                __mmask16 m = tail_mask(dim - d);
+                __m512 sum = _mm512_add_ps(_mm512_load_ps(even_sums + d), _mm512_load_ps(odd_sums + d));
+                _mm512_mask_storeu_ps(o + d, m, _mm512_div_ps(sum, _mm512_set1_ps(totals[i])));
             }
-            for (int c = 0; c < 4; c++)
-                _mm512_mask_storeu_ps(o + d0 + 16 * c, m[c], _mm512_div_ps(_mm512_add_ps(even[c], odd[c]), total));
         }
     }
     free(scores);
+    free(sums);
 }
 
 /* q [T, heads * dim] (row stride ldq); keys/values point at one layer of the pool
- * ([slots][kv_heads][capacity][dim]); slots/positions [T]; out [T, heads * dim] (row stride ldo).
- * Returns 0, or -1 when memory for the scores could not be allocated (out is then incomplete). */
+ * ([slots][kv_heads][capacity][dim]); slots/positions [T] (token t sees keys 0..positions[t] of
+ * slot slots[t]); out [T, heads * dim] (row stride ldo).
+ * Returns 0, or -1 when scratch memory could not be allocated (out is then incomplete). */
 int dspark_attention(const float *q, long T, long ldq, long heads, long kv_heads, long dim, const float *keys,
                       const float *values, long slot_stride, long head_stride, const long *slots,
                       const long *positions, float scale, float *out, long ldo) {
     attention_args args = {q, ldq, heads, kv_heads, dim, keys, values, slot_stride, head_stride, slots, positions,
                            scale, out, ldo};
+    long *run_start = (long *)malloc(sizeof(long) * (T + 1)), num_runs = 0;
+    if (run_start == 0) return -1;
+    for (long t = 0; t < T; t++)  /* runs: consecutive tokens of one slot, at most RUN_TOKENS each */
+        if (t == 0 || slots[t] != slots[t - 1] || t - run_start[num_runs - 1] == RUN_TOKENS) run_start[num_runs++] = t;
+    run_start[num_runs] = T;
+    run_args runs = {&args, run_start, num_runs};
     atomic_store(&attention_failed, 0);
-    parallel_for(attention_range, &args, T * heads, 4);
+    parallel_for(attention_runs, &runs, num_runs * heads, 4);
+    free(run_start);
     return atomic_load(&attention_failed) ? -1 : 0;
 }
 

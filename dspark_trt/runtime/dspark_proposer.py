@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, rope_tables
+from dspark_trt.models.drafter import DSparkDrafter, MarkovHead
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
@@ -218,7 +218,9 @@ class DSparkProposer:
             return
         drafter = self.drafter
         context = drafter.fuse_features(torch.cat(pieces))  # [T, d]
-        cos, sin = rope_tables(torch.cat(positions), drafter.config.head_dim, drafter.config.rope_theta)
+        positions = torch.cat(positions)
+        cos_table, sin_table = drafter.rope_table(int(positions.max()) + 1)  # the rows rope_tables computes
+        cos, sin = cos_table[positions, None], sin_table[positions, None]  # [T, 1, head_dim]
         per_layer = [layer.keys_values(context, cos, sin) for layer in drafter.layers]  # [kv, T, hd] each
         offset = 0
         for slot, count in owners:

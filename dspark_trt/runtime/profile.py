@@ -200,10 +200,17 @@ def measure_target_curve(target, batch_tokens: list[int], context_length: int = 
     return seconds
 
 
+KEPT_PER_STEP = 2  # positions a decoding step keeps per request (the accepted drafts and the bonus): ~tau
+
+
 @torch.inference_mode()
 def measure_drafter_curve(target, proposer, num_requests: list[int], context_length: int = 128,
                           repeats: int = 3, progress=None) -> list[float]:
-    """Drafter step seconds (`propose`, one full block each) for each number of requests."""
+    """Drafter step seconds (`propose`, one full block each) for each number of requests.
+
+    Each timed call first hands the proposer `KEPT_PER_STEP` new positions of target features
+    per request, as a decoding step does (its catch-up, fusing them into the context, is part
+    of what a draft costs the step)."""
     from dspark_trt.runtime.request import Request
     from dspark_trt.runtime.sampling import SamplingParams
 
@@ -219,8 +226,16 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
         requests.append(request)
     seconds = []
     try:
+        kept = torch.randn(KEPT_PER_STEP, width, generator=generator)
+
+        def step(batch):
+            for request in batch:
+                request.new_features = kept
+                proposer.observe(request)
+            proposer.propose(batch)
+
         for count in num_requests:
-            seconds.append(_best_seconds(lambda: proposer.propose(requests[:count]), repeats))
+            seconds.append(_best_seconds(lambda: step(requests[:count]), repeats))
             if progress is not None:
                 progress(f"drafter n={count}: {seconds[-1] * 1e3:.1f} ms")
     finally:

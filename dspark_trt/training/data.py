@@ -11,6 +11,7 @@ target pass per row, so a fresh machine can train from the committed JSONL alone
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -34,8 +35,9 @@ class Sequence:
 
 
 def read_rows(path: Path) -> list[dict]:
+    """The rows of a datagen JSONL file, plain or gzip-compressed (`.gz`, as committed)."""
     try:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         raise DsparkError(f"training data {path} not found (make it with `dspark-trt datagen`)") from None

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dspark_trt.errors import DsparkError
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.runtime.engine import Engine
 from dspark_trt.runtime.request import Request
@@ -72,6 +73,9 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, config: DatagenConfig,
                      features_dir: Path | None = None, max_prompt_tokens: int = 1024) -> int:
     """Generate responses for the prompts not yet in `output`; returns how many rows were added."""
+    if output.suffix == ".gz":
+        raise DsparkError(f"{output}: datagen appends to a plain JSONL file (that is what makes it resumable); "
+                         "compress it when the run is done")
     output.parent.mkdir(parents=True, exist_ok=True)
     skip = done_ids(output)
     shard_index, num_shards = config.shard
