@@ -262,6 +262,39 @@ def test_the_drafter_backbone_in_one_c_pass_matches_its_pytorch_layers(tiny_llam
             assert torch.equal(values[row, :, :length], values_after[row, :, :length])
 
 
+@needs_kernel
+def test_the_drafter_context_in_one_c_call_matches_its_pytorch_layers(tiny_llama):
+    """Catch-up through the C call (feature norms, projection, norm, every layer's rotated keys
+    and values written into the pool) against the PyTorch modules: same pool contents within
+    fp32 rounding, for several requests with different context lengths in one call."""
+    target = load_target(tiny_llama, torch.bfloat16)
+    drafter = make_drafter(target, num_layers=2).use_bf16_weights()
+    generator = torch.Generator().manual_seed(2)
+    width = len(drafter.config.feature_layers) * target.config.hidden_size
+    pools = []
+    for run in ("torch", "kernel"):
+        proposer = DSparkProposer(drafter)
+        for request_id, length in (("a", 30), ("b", 1), ("c", 9)):
+            proposer.pool.slot(request_id)
+            proposer.pool.lengths[proposer.pool.slot_of[request_id]] = length  # as if that much context were there
+        owners = [(proposer.pool.slot_of[r], count) for r, count in (("a", 3), ("b", 1), ("c", 12))]
+        features = torch.randn(16, width, generator=torch.Generator().manual_seed(3))
+        positions = torch.cat([torch.arange(proposer.pool.lengths[s], proposer.pool.lengths[s] + n) for s, n in owners])
+        with torch.inference_mode():
+            if run == "torch":
+                proposer._torch_context(features, positions, owners)
+            else:
+                proposer._kernel_context(drafter.kernel_context(), features, positions, owners)
+        pools.append(proposer.pool)
+    reference, fused = pools
+    assert reference.lengths == fused.lengths == [33, 2, 21, 0]
+    for name in ("keys", "values"):
+        expected = getattr(reference, name)
+        got = getattr(fused, name)[:, :, :, : expected.shape[3]]
+        assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
+        assert got.abs().sum() > 0
+
+
 # ---- batch invariance at full speed -------------------------------------------------------------
 
 

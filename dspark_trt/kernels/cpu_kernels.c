@@ -668,3 +668,76 @@ void dspark_argmax(const float *x, long rows, long n, long ld, long *out) {
     argmax_args args = {x, n, ld, out};
     parallel_for(argmax_range, &args, rows, 4);
 }
+
+/* ---- a drafter's context: target features -> its keys/values ---------------------------------
+ * What DSpark's catch-up computes for the positions a step kept: each target layer's features
+ * RMS-normalised (own weights), concatenated, projected to the hidden size, normalised again;
+ * then per drafter layer keys and values of that state (keys rotated) written into its pool.
+ * Row by row in a fixed order (batch invariant). One call instead of ~60 PyTorch ops (~2 ms per
+ * step here for two new positions, measured). */
+typedef struct {
+    long num_layers, hidden, kv_heads, head_dim, num_features;
+    float eps;
+    const float *feature_norms;    /* [num_features][hidden] */
+    const uint16_t *project;       /* packed [num_features * hidden, hidden] */
+    const float *context_norm;     /* [hidden] */
+    const uint16_t *const *kv;     /* [num_layers] packed [hidden, 2 * kv_heads * head_dim]: keys, then values */
+} context_model;
+
+typedef struct { const context_model *m; const float *features; float *normed; } feature_norm_args;
+
+static void feature_norm_range(const void *ctx, long first, long last) {
+    const feature_norm_args *a = (const feature_norm_args *)ctx;
+    long d = a->m->hidden, width = a->m->num_features * d;
+    for (long t = first; t < last; t++)
+        for (long f = 0; f < a->m->num_features; f++)
+            rms_norm_row(a->features + t * width + f * d, a->m->feature_norms + f * d, d, a->m->eps,
+                         a->normed + t * width + f * d);
+}
+
+typedef struct { const context_model *m; float *kv; const long *slots, *positions; const float *cos, *sin;
+                 float *keys, *values; long slot_stride, head_stride; } context_write_args;
+
+static void context_write_range(const void *ctx, long first, long last) {
+    const context_write_args *a = (const context_write_args *)ctx;
+    long dim = a->m->head_dim, heads = a->m->kv_heads;
+    for (long t = first; t < last; t++) {
+        float *k = a->kv + t * 2 * heads * dim, *v = k + heads * dim;
+        long pos = a->positions[t], base = a->slots[t] * a->slot_stride + pos * dim;
+        for (long h = 0; h < heads; h++) {
+            rope_head(k + h * dim, a->cos + pos * dim, a->sin + pos * dim, dim);
+            for (long i = 0; i < dim; i++) {
+                a->keys[base + h * a->head_stride + i] = k[h * dim + i];
+                a->values[base + h * a->head_stride + i] = v[h * dim + i];
+            }
+        }
+    }
+}
+
+/* features [T][num_features * hidden]; token t's keys/values go to (slots[t], positions[t]) of
+ * each layer of the pool [layers][slots][kv_heads][capacity][head_dim]. Returns 0, or -1 when
+ * scratch memory could not be allocated. */
+int dspark_drafter_context(const context_model *m, const float *features, long T, const long *slots,
+                           const long *positions, const float *rope_cos, const float *rope_sin, float *keys,
+                           float *values, long layer_stride, long slot_stride, long head_stride) {
+    long d = m->hidden, width = m->num_features * d, kv_width = 2 * m->kv_heads * m->head_dim;
+    float *normed = (float *)malloc(sizeof(float) * T * width);
+    float *state = (float *)malloc(sizeof(float) * T * d), *context = (float *)malloc(sizeof(float) * T * d);
+    float *kv = (float *)malloc(sizeof(float) * T * kv_width);
+    int status = (normed && state && context && kv) ? 0 : -1;
+    if (status == 0) {
+        feature_norm_args fn = {m, features, normed};
+        parallel_for(feature_norm_range, &fn, T, ROWS_PER_THREAD);
+        gemm(normed, T, width, m->project, width, d, state, d, 0, 0);
+        norm_args cn = {state, d, m->context_norm, d, m->eps, context, d, 0};
+        parallel_for(norm_range, &cn, T, ROWS_PER_THREAD);
+        for (long l = 0; l < m->num_layers; l++) {
+            gemm(context, T, d, m->kv[l], d, kv_width, kv, kv_width, 0, 0);
+            context_write_args w = {m, kv, slots, positions, rope_cos, rope_sin, keys + l * layer_stride,
+                                    values + l * layer_stride, slot_stride, head_stride};
+            parallel_for(context_write_range, &w, T, ROWS_PER_THREAD);
+        }
+    }
+    free(normed); free(state); free(context); free(kv);
+    return status;
+}

@@ -96,6 +96,12 @@ class _DecoderModel(ctypes.Structure):  # decoder_model
                 ("lm_head", _pointer)]
 
 
+class _ContextModel(ctypes.Structure):  # context_model
+    _fields_ = [*((name, ctypes.c_long) for name in ("num_layers", "hidden", "kv_heads", "head_dim", "num_features")),
+                ("eps", ctypes.c_float), ("feature_norms", _pointer), ("project", _pointer), ("context_norm", _pointer),
+                ("kv", ctypes.POINTER(_pointer))]
+
+
 class _DecoderCall(ctypes.Structure):  # decoder_call
     _fields_ = [("tokens", ctypes.c_long), ("slots", _pointer), ("positions", _pointer), ("visible", _pointer),
                 ("keys", _pointer),
@@ -133,6 +139,9 @@ def _load() -> ctypes.CDLL | None:
                 library.dspark_decoder_forward.argtypes = [ctypes.POINTER(_DecoderModel), void,
                                                            ctypes.POINTER(_DecoderCall)]
                 library.dspark_decoder_forward.restype = ctypes.c_int
+                library.dspark_drafter_context.argtypes = [ctypes.POINTER(_ContextModel), void, long_, void, void,
+                                                           void, void, void, void, long_, long_, long_]
+                library.dspark_drafter_context.restype = ctypes.c_int
                 library.dspark_argmax.argtypes = [void, long_, long_, long_, void]
                 library.dspark_argmax.restype = None
                 library.dspark_start_threads.argtypes = [ctypes.c_int]
@@ -338,3 +347,38 @@ class FusedDecoder:
         if tokens and _library.dspark_decoder_forward(ctypes.byref(self._model), x.data_ptr(), ctypes.byref(call)):
             raise MemoryError("the fused decoder pass could not allocate its scratch memory")
         return logits, features
+
+
+class FusedContext:
+    """A DSpark drafter's context step (feature fusion, then every layer's keys/values into its
+    pool), described once for `dspark_drafter_context`. Holds what it points at."""
+
+    def __init__(self, hidden: int, kv_heads: int, head_dim: int, eps: float, feature_norms: list[torch.Tensor],
+                 project: PackedWeight, context_norm: torch.Tensor, kv: list[PackedWeight]):
+        self._norms = torch.cat([w.detach().float() for w in feature_norms]).contiguous()  # [m * hidden]
+        self._context_norm = context_norm.detach().float().contiguous()
+        self._packed = [project, *kv]  # kept alive
+        self._kv = (_pointer * len(kv))(*(w.data.data_ptr() for w in kv))
+        self.width = len(feature_norms) * hidden
+        self._model = _ContextModel(len(kv), hidden, kv_heads, head_dim, len(feature_norms), eps,
+                                    self._norms.data_ptr(), project.data.data_ptr(), self._context_norm.data_ptr(),
+                                    self._kv)
+
+    def forward(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, rope_cos: torch.Tensor,
+                rope_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the keys/values of `features` `[tokens, m * hidden]` at `(slots[t], positions[t])` of
+        every layer of the pool `keys`/`values` `[layers, slots, kv_heads, capacity, head_dim]`
+        (contiguous fp32; the caller checks positions < capacity)."""
+        features = features.float().contiguous()
+        if features.shape[1] != self.width:
+            raise ValueError(f"features have {features.shape[1]} columns, the drafter fuses {self.width}")
+        for name, tensor in (("keys", keys), ("values", values), ("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous fp32 tensor")
+        slots, positions = slots.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
+        _, _, kv_heads, capacity, head_dim = keys.shape
+        if features.shape[0] and _library.dspark_drafter_context(
+                ctypes.byref(self._model), features.data_ptr(), features.shape[0], slots.data_ptr(),
+                positions.data_ptr(), rope_cos.data_ptr(), rope_sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                keys[0].numel(), kv_heads * capacity * head_dim, capacity * head_dim):
+            raise MemoryError("the drafter context pass could not allocate its scratch memory")

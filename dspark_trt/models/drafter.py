@@ -238,6 +238,7 @@ class DSparkDrafter(DrafterBase):
             self.confidence = nn.Linear(d + config.markov_rank, 1)
         self._fused = None  # cpu_kernels.FusedDecoder of the backbone, built by `kernel_backbone`
         self._fused_key = None
+        self._fused_context = None  # cpu_kernels.FusedContext, built by `kernel_context`
         self._parameter_list = None
         self._rope = (torch.empty(0), torch.empty(0))
 
@@ -268,8 +269,24 @@ class DSparkDrafter(DrafterBase):
                 down=cpu_kernels.PackedWeight(layer.down.weight.t())) for layer in self.layers]
             self._fused = cpu_kernels.FusedDecoder(shape, layers, self.final_norm.weight,
                                                    cpu_kernels.PackedWeight(self.lm_head_t))
+            self._fused_context = None  # rebuilt from the same weights on next use
             self._fused_key = key
         return self._fused
+
+    def kernel_context(self):
+        """The context step (feature fusion, then each layer's keys/values) as one C call
+        (`cpu_kernels.FusedContext`), or None where `kernel_backbone` is None."""
+        if self.kernel_backbone() is None:  # also rebuilds both when a weight changed
+            return None
+        if self._fused_context is None:
+            from dspark_trt.kernels import cpu_kernels
+
+            c = self.config
+            self._fused_context = cpu_kernels.FusedContext(
+                c.hidden_size, c.num_kv_heads, c.head_dim, c.rms_norm_eps, [n.weight for n in self.fusion.norms],
+                cpu_kernels.PackedWeight(self.fusion.project.weight.t()), self.fusion.norm.weight,
+                [cpu_kernels.PackedWeight(layer.kv.weight.t()) for layer in self.layers])
+        return self._fused_context
 
     def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[>= size, head_dim]` by position (the rows `rope_tables` gives), kept between calls."""
