@@ -1,8 +1,12 @@
-"""Our CPU kernels (`cpu_kernels.c`): fp32 rows times bf16 weights packed once, and attention.
+"""Our CPU kernels (`cpu_kernels.c`): fp32 rows times bf16 weights packed once, attention, a
+whole decoder pass in one call (`FusedDecoder`), a DSpark drafter's context step (`FusedContext`)
+and argmax.
 
 What it owns: compiling the C kernels with the system's `gcc` (once per kernel source and
 compiler, cached under `$DSPARK_TRT_CACHE/kernels`), packing a weight into the kernel's layout,
-and the call. What it does not: deciding when to use it (`models/linear.py` does).
+describing a model's weights to the C side, and the calls. What it does not: deciding when to use
+them (`models/linear.py`, `models/target.py`, `models/drafter.py` and the proposer do), or owning
+the weights and caches it reads and writes.
 
 Why: measured on this project's 2-core CPUs (SmolLM2-135M's 121 matrices plus the LM head),
 one step over 1 / 2 / 8 / 16 rows cost 22 / 53 / 55 / 69 ms in fp32 through numpy's OpenBLAS

@@ -12,6 +12,9 @@ every prefill position would dominate prefill), and the hidden states of the req
 
 Linear layers are `FrozenLinear`: fp32 through the fastest CPU BLAS, or bf16 weights through
 our packed kernel (see `linear.py`). Everything else (norms, attention, the KV cache) is fp32.
+With bf16 weights on a CPU where our kernels run, `forward` is one C call for the whole pass
+(`cpu_kernels.FusedDecoder`: the same computation, without ~1,000 PyTorch ops a step);
+`layerwise_forward` is the PyTorch path (fp32, GPUs, and the fused pass's test reference).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ requests' blocks are drafted in one batched backbone pass:
         p_k = softmax((U_k + B(x_{k-1})) / T)    x_k = argmax p_k  (T = 0)  or  x_k ~ p_k
     c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
 
+With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM
+head) are one C call each (`_kernel_context`, `_kernel_backbone`), tested against the PyTorch
+modules they replace (`_torch_context`, `_torch_backbone`).
+
 `observe` only queues features (cheap), so a step whose policy skips drafting costs the
 drafter nothing; the queue is consumed before the request's next draft. The draft
 distributions are returned over the full target vocabulary, so verification is exact.
