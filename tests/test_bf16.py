@@ -227,6 +227,20 @@ def test_the_fused_pass_computes_what_the_layer_by_layer_pass_computes(tiny_fact
 
 
 @needs_kernel
+def test_the_fused_pass_refuses_rows_and_layers_outside_the_pass(tiny_llama):
+    """Out-of-range logit rows or feature layers are an error before anything is written (the C
+    side would read past the pass, or leave features unwritten), and the cache does not move."""
+    model = load_target(tiny_llama, torch.bfloat16).model
+    cache = model.new_pool(1, 32).allocate()
+    for options in (dict(logits_indices=torch.tensor([3])), dict(logits_indices=torch.tensor([-1])),
+                    dict(feature_layers=(model.config.num_layers,))):
+        with pytest.raises(ValueError):
+            model(torch.tensor([1, 2, 3]), [3], [cache], **options)
+        assert cache.length == 0
+    assert model(torch.tensor([1, 2, 3]), [3], [cache], logits_indices=torch.tensor([2])).logits.shape[0] == 1
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_the_drafter_backbone_in_one_c_pass_matches_its_pytorch_layers(tiny_llama, kind):
     """The drafter's backbone, final norm and LM head through the fused C pass (block keys written

@@ -337,6 +337,10 @@ class FusedDecoder:
         if visible is not None:
             visible = visible.to(torch.long).contiguous()
         rows = None if logit_rows is None else logit_rows.to(torch.long).contiguous()
+        if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= tokens):
+            raise ValueError(f"logit rows must be in [0, {tokens}), got {rows.tolist()}")
+        if any(not 0 <= layer < len(self._layers) for layer in feature_layers):
+            raise ValueError(f"feature layers must be in [0, {len(self._layers)}), got {list(feature_layers)}")
         num_logits = tokens if rows is None else rows.shape[0]
         logits = torch.empty(num_logits, shape.vocab, dtype=torch.float32)
         wanted = torch.tensor(feature_layers, dtype=torch.long)
