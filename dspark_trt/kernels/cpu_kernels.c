@@ -259,10 +259,15 @@ static void gemm_range(const void *ctx, long first, long last) { gemm_groups((co
 
 /* x [M, K] fp32 (row stride ldx), wp packed [ceil(N/64)][K][64] bf16, y [M, N] (row stride ldy),
  * bias [N] or NULL. */
+static void gemm(const float *x, long M, long ldx, const uint16_t *wp, long K, long N, float *y, long ldy,
+                 const float *bias, int accumulate) {
+    gemm_args args = {x, M, ldx, wp, K, N, y, ldy, bias, accumulate};
+    parallel_for(gemm_range, &args, (N + GROUP - 1) / GROUP, 2);
+}
+
 void dspark_bf16_gemm(const float *x, long M, long ldx, const uint16_t *wp, long K, long N, float *y, long ldy,
                       const float *bias) {
-    gemm_args args = {x, M, ldx, wp, K, N, y, ldy, bias, 0};
-    parallel_for(gemm_range, &args, (N + GROUP - 1) / GROUP, 2);
+    gemm(x, M, ldx, wp, K, N, y, ldy, bias, 0);
 }
 
 /* ---- attention ------------------------------------------------------------------------------
@@ -499,12 +504,6 @@ typedef struct {
     float *logits;                          /* [num_logits][vocab] */
 } decoder_call;
 
-static void gemm(const float *x, long M, long ldx, const uint16_t *wp, long K, long N, float *y, long ldy,
-                 const float *bias, int accumulate) {
-    gemm_args args = {x, M, ldx, wp, K, N, y, ldy, bias, accumulate};
-    parallel_for(gemm_range, &args, (N + GROUP - 1) / GROUP, 2);
-}
-
 static void rms_norm_row(const float *x, const float *weight, long n, float eps, float *out) {
     __m512 sums = _mm512_setzero_ps();
     for (long i = 0; i < n; i += 16) {
@@ -534,6 +533,16 @@ static void rope_head(float *x, const float *cos, const float *sin, long dim) {
     }
 }
 
+/* One token's keys and values k, v [heads][dim] into a pool layer at `base` (its slot and position). */
+static void store_kv(float *keys, float *values, long base, long head_stride, const float *k, const float *v,
+                     long heads, long dim) {
+    for (long h = 0; h < heads; h++)
+        for (long d = 0; d < dim; d++) {
+            keys[base + h * head_stride + d] = k[h * dim + d];
+            values[base + h * head_stride + d] = v[h * dim + d];
+        }
+}
+
 typedef struct { const decoder_model *m; const decoder_layer *layer; const decoder_call *c; float *qkv; long ldqkv;
                  float *keys, *values; } qkv_args;
 
@@ -552,13 +561,8 @@ static void qkv_range(const void *ctx, long first, long last) {
             if (norm) rms_norm_row(head, norm, dim, m->eps, head);
             rope_head(head, cos, sin, dim);
         }
-        long base = a->c->slots[t] * a->c->slot_stride + pos * dim;
-        for (long h = 0; h < m->kv_heads; h++) {
-            for (long d = 0; d < dim; d++) {
-                a->keys[base + h * a->c->head_stride + d] = k[h * dim + d];
-                a->values[base + h * a->c->head_stride + d] = v[h * dim + d];
-            }
-        }
+        store_kv(a->keys, a->values, a->c->slots[t] * a->c->slot_stride + pos * dim, a->c->head_stride, k, v,
+                 m->kv_heads, dim);
     }
 }
 
@@ -656,9 +660,9 @@ static void argmax_range(const void *ctx, long first, long last) {
             found = a->n;
             int lanes[16];
             _mm512_storeu_si512((void *)lanes, best_index);
-            for (int lane = 0; lane < 16; lane++)  /* the smallest index among the lanes holding the max */
+            for (int lane = 0; lane < 16; lane++)  /* the smallest index among the lanes holding the max
+                                                     * (at least one does; all -inf rows give lane 0's 0) */
                 if (((ties >> lane) & 1) && lanes[lane] < found) found = lanes[lane];
-            if (found == a->n) found = 0;  /* every value -inf */
         }
         a->out[r] = found;
     }
@@ -703,14 +707,9 @@ static void context_write_range(const void *ctx, long first, long last) {
     long dim = a->m->head_dim, heads = a->m->kv_heads;
     for (long t = first; t < last; t++) {
         float *k = a->kv + t * 2 * heads * dim, *v = k + heads * dim;
-        long pos = a->positions[t], base = a->slots[t] * a->slot_stride + pos * dim;
-        for (long h = 0; h < heads; h++) {
-            rope_head(k + h * dim, a->cos + pos * dim, a->sin + pos * dim, dim);
-            for (long i = 0; i < dim; i++) {
-                a->keys[base + h * a->head_stride + i] = k[h * dim + i];
-                a->values[base + h * a->head_stride + i] = v[h * dim + i];
-            }
-        }
+        long pos = a->positions[t];
+        for (long h = 0; h < heads; h++) rope_head(k + h * dim, a->cos + pos * dim, a->sin + pos * dim, dim);
+        store_kv(a->keys, a->values, a->slots[t] * a->slot_stride + pos * dim, a->head_stride, k, v, heads, dim);
     }
 }
 

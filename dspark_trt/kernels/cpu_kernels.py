@@ -249,6 +249,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _require_fp32_contiguous(**tensors: torch.Tensor) -> None:
+    """The C side reads these as dense fp32 arrays."""
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 tensor")
+
+
+def _pool_strides(keys: torch.Tensor) -> tuple[int, int, int]:
+    """Element strides (layer, slot, kv head) of a KV pool `[layers, slots, kv_heads, capacity, head_dim]`."""
+    _, _, kv_heads, capacity, head_dim = keys.shape
+    return keys[0].numel(), kv_heads * capacity * head_dim, capacity * head_dim
+
+
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One decoder layer's weights as the fused pass takes them (norm weights fp32 `[dim]`)."""
@@ -329,10 +342,7 @@ class FusedDecoder:
         """
         shape = self.shape
         tokens = x.shape[0]
-        for name, tensor in (("x", x), ("keys", keys), ("values", values), ("rope_cos", rope_cos),
-                             ("rope_sin", rope_sin)):
-            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous fp32 tensor")
+        _require_fp32_contiguous(x=x, keys=keys, values=values, rope_cos=rope_cos, rope_sin=rope_sin)
         slots, positions = slots.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
         if visible is not None:
             visible = visible.to(torch.long).contiguous()
@@ -345,11 +355,9 @@ class FusedDecoder:
         logits = torch.empty(num_logits, shape.vocab, dtype=torch.float32)
         wanted = torch.tensor(feature_layers, dtype=torch.long)
         features = torch.empty(tokens, len(feature_layers) * shape.hidden) if feature_layers else None
-        _, num_slots, kv_heads, capacity, head_dim = keys.shape
         call = _DecoderCall(tokens, slots.data_ptr(), positions.data_ptr(),
                             None if visible is None else visible.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                            keys[0].numel(), kv_heads * capacity * head_dim, capacity * head_dim,
-                            rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(), len(feature_layers),
+                            *_pool_strides(keys), rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(), len(feature_layers),
                             None if features is None else features.data_ptr(),
                             None if rows is None else rows.data_ptr(), num_logits, logits.data_ptr())
         if tokens and _library.dspark_decoder_forward(ctypes.byref(self._model), x.data_ptr(), ctypes.byref(call)):
@@ -380,13 +388,10 @@ class FusedContext:
         features = features.float().contiguous()
         if features.shape[1] != self.width:
             raise ValueError(f"features have {features.shape[1]} columns, the drafter fuses {self.width}")
-        for name, tensor in (("keys", keys), ("values", values), ("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-            if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous fp32 tensor")
+        _require_fp32_contiguous(keys=keys, values=values, rope_cos=rope_cos, rope_sin=rope_sin)
         slots, positions = slots.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
-        _, _, kv_heads, capacity, head_dim = keys.shape
         if features.shape[0] and _library.dspark_drafter_context(
                 ctypes.byref(self._model), features.data_ptr(), features.shape[0], slots.data_ptr(),
                 positions.data_ptr(), rope_cos.data_ptr(), rope_sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                keys[0].numel(), kv_heads * capacity * head_dim, capacity * head_dim):
+                *_pool_strides(keys)):
             raise MemoryError("the drafter context pass could not allocate its scratch memory")

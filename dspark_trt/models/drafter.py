@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.linear import DraftLinear, PackedCache, bf16_matmul, matmul, use_bf16_weights
+from dspark_trt.models.linear import (
+    DerivedFromWeights,
+    DraftLinear,
+    PackedCache,
+    bf16_matmul,
+    matmul,
+    use_bf16_weights,
+)
 from dspark_trt.models.target import apply_rope, rms_norm
 
 
@@ -236,57 +243,57 @@ class DSparkDrafter(DrafterBase):
             self.sequential = RNNHead(config, vocab_size)
         if config.confidence:
             self.confidence = nn.Linear(d + config.markov_rank, 1)
-        self._fused = None  # cpu_kernels.FusedDecoder of the backbone, built by `kernel_backbone`
-        self._fused_key = None
-        self._fused_context = None  # cpu_kernels.FusedContext, built by `kernel_context`
-        self._parameter_list = None
+        self._fused_backbone = DerivedFromWeights()  # cpu_kernels.FusedDecoder (`kernel_backbone`)
+        self._fused_context = DerivedFromWeights()  # cpu_kernels.FusedContext (`kernel_context`)
         self._rope = (torch.empty(0), torch.empty(0))
 
     def draft_layers(self) -> list[DraftLayer]:
         return list(self.layers)
 
+    def _kernels_run(self) -> bool:
+        """Inference with bf16 weights on a CPU where our kernels run (not training: gradients)."""
+        if self.bf16_lm_head is None or torch.is_grad_enabled() or not self.mask_embedding.is_cpu:
+            return False
+        from dspark_trt.kernels import cpu_kernels
+
+        return cpu_kernels.available()
+
     def kernel_backbone(self):
         """The backbone, final norm and draft LM head as one C pass (`cpu_kernels.FusedDecoder`:
         the same layers as `DraftLayer` computes, with bf16 weights), or None where it does not
         run: fp32 weights, a GPU, no kernels, or with gradients (training)."""
-        if self.bf16_lm_head is None or torch.is_grad_enabled() or not self.mask_embedding.is_cpu:
+        if not self._kernels_run():
             return None
-        from dspark_trt.kernels import cpu_kernels
-
-        if not cpu_kernels.available():
-            return None
-        if self._parameter_list is None:  # `parameters()` walks the module tree: take the list once
-            self._parameter_list = list(self.parameters())
-        key = (*((p.data_ptr(), p._version) for p in self._parameter_list), self.lm_head_t.data_ptr())
-        if self._fused_key != key:
-            c = self.config
-            shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                             c.intermediate_size, self.draft_vocab.numel(), c.rms_norm_eps)
-            layers = [cpu_kernels.DecoderLayerWeights(
-                attn_norm=layer.attn_norm.weight, mlp_norm=layer.mlp_norm.weight,
-                qkv=cpu_kernels.PackedWeight(torch.cat([layer.q.weight, layer.kv.weight]).t()),
-                o=cpu_kernels.PackedWeight(layer.o.weight.t()), gate_up=cpu_kernels.PackedWeight(layer.gate_up.weight.t()),
-                down=cpu_kernels.PackedWeight(layer.down.weight.t())) for layer in self.layers]
-            self._fused = cpu_kernels.FusedDecoder(shape, layers, self.final_norm.weight,
-                                                   cpu_kernels.PackedWeight(self.lm_head_t))
-            self._fused_context = None  # rebuilt from the same weights on next use
-            self._fused_key = key
-        return self._fused
+        return self._fused_backbone.get(self, self._describe_backbone, self.lm_head_t)
 
     def kernel_context(self):
         """The context step (feature fusion, then each layer's keys/values) as one C call
         (`cpu_kernels.FusedContext`), or None where `kernel_backbone` is None."""
-        if self.kernel_backbone() is None:  # also rebuilds both when a weight changed
+        if not self._kernels_run():
             return None
-        if self._fused_context is None:
-            from dspark_trt.kernels import cpu_kernels
+        return self._fused_context.get(self, self._describe_context)
 
-            c = self.config
-            self._fused_context = cpu_kernels.FusedContext(
-                c.hidden_size, c.num_kv_heads, c.head_dim, c.rms_norm_eps, [n.weight for n in self.fusion.norms],
-                cpu_kernels.PackedWeight(self.fusion.project.weight.t()), self.fusion.norm.weight,
-                [cpu_kernels.PackedWeight(layer.kv.weight.t()) for layer in self.layers])
-        return self._fused_context
+    def _describe_backbone(self):
+        from dspark_trt.kernels import cpu_kernels
+
+        c = self.config
+        shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         c.intermediate_size, self.draft_vocab.numel(), c.rms_norm_eps)
+        layers = [cpu_kernels.DecoderLayerWeights(
+            attn_norm=layer.attn_norm.weight, mlp_norm=layer.mlp_norm.weight,
+            qkv=cpu_kernels.PackedWeight(torch.cat([layer.q.weight, layer.kv.weight]).t()),
+            o=cpu_kernels.PackedWeight(layer.o.weight.t()), gate_up=cpu_kernels.PackedWeight(layer.gate_up.weight.t()),
+            down=cpu_kernels.PackedWeight(layer.down.weight.t())) for layer in self.layers]
+        return cpu_kernels.FusedDecoder(shape, layers, self.final_norm.weight, cpu_kernels.PackedWeight(self.lm_head_t))
+
+    def _describe_context(self):
+        from dspark_trt.kernels import cpu_kernels
+
+        c = self.config
+        return cpu_kernels.FusedContext(
+            c.hidden_size, c.num_kv_heads, c.head_dim, c.rms_norm_eps, [n.weight for n in self.fusion.norms],
+            cpu_kernels.PackedWeight(self.fusion.project.weight.t()), self.fusion.norm.weight,
+            [cpu_kernels.PackedWeight(layer.kv.weight.t()) for layer in self.layers])
 
     def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[>= size, head_dim]` by position (the rows `rope_tables` gives), kept between calls."""

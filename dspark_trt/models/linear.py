@@ -115,6 +115,27 @@ class PackedCache:
         return self._packed
 
 
+class DerivedFromWeights:
+    """Something built from a module's parameters (our kernels' description of them), rebuilt
+    only when one of them is replaced or written in place. `parameters()` walks the module tree
+    (~2 ms a step for the target, measured), so the list is taken once."""
+
+    def __init__(self):
+        self._parameters = None
+        self._key = None
+        self._value = None
+
+    def get(self, module: nn.Module, build, *also) -> object:
+        """`build()`'s result, rebuilt when a parameter of `module` (or a tensor in `also`:
+        borrowed weights that are not its parameters) changed since the last build."""
+        if self._parameters is None:
+            self._parameters = list(module.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in (*self._parameters, *also))
+        if key != self._key:
+            self._value, self._key = build(), key
+        return self._value
+
+
 def bf16_matmul(x: torch.Tensor, weight_t: torch.Tensor, cache: PackedCache,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x [..., in]` @ `weight_t [in, out]` rounded to bf16 (+ bias), in x's dtype."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_trt.models.linear import FrozenLinear, in_row_by_row_mode, one_row_at_a_time
+from dspark_trt.models.linear import DerivedFromWeights, FrozenLinear, in_row_by_row_mode, one_row_at_a_time
 from dspark_trt.models.target_config import TargetConfig
 from dspark_trt.runtime.kv_cache import KVCache, KVPool
 
@@ -262,9 +262,7 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
-        self._fused = None  # cpu_kernels.FusedDecoder, built on first use (`_fused_decoder`)
-        self._fused_key = None
-        self._parameter_list = None  # taken once by `_weights_key`
+        self._fused = DerivedFromWeights()  # cpu_kernels.FusedDecoder of these weights (`_fused_decoder`)
 
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         """KV memory for `num_slots` concurrent requests of up to `slot_capacity` tokens each."""
@@ -300,7 +298,7 @@ class TargetModel(nn.Module):
         """
         if len(num_new_tokens) != len(caches) or sum(num_new_tokens) != token_ids.shape[0]:
             raise ValueError("num_new_tokens must give one count per cache and sum to len(token_ids)")
-        if self._kernel_attention():  # bf16 on a CPU with our kernels: one C call for the whole pass
+        if self._runs_cpu_kernels():  # bf16 on a CPU with our kernels: one C call for the whole pass
             return self._fused_forward(token_ids, num_new_tokens, caches, logits_indices, feature_layers)
         return self.layerwise_forward(token_ids, num_new_tokens, caches, logits_indices, feature_layers,
                                       batch_invariant)
@@ -320,29 +318,21 @@ class TargetModel(nn.Module):
             cache.advance(count)
         return TargetOutput(logits=logits, features=features)
 
-    def _weights_key(self) -> tuple:
-        """Changes whenever a parameter is replaced or written in place. `parameters()` walks
-        the module tree (~2 ms per step here), so the list is taken once."""
-        if self._parameter_list is None:
-            self._parameter_list = list(self.parameters())
-        return tuple((p.data_ptr(), p._version) for p in self._parameter_list)
-
     def _fused_decoder(self):
         """The C pass's description of the weights, rebuilt only when a weight changed."""
+        return self._fused.get(self, self._describe_weights)
+
+    def _describe_weights(self):
         from dspark_trt.kernels import cpu_kernels
 
-        key = self._weights_key()
-        if self._fused_key != key:
-            c = self.config
-            shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                             c.intermediate_size, c.vocab_size, c.rms_norm_eps)
-            layers = [cpu_kernels.DecoderLayerWeights(
-                attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm, qkv=layer.qkv.packed(), o=layer.o.packed(),
-                gate_up=layer.gate_up.packed(), down=layer.down.packed(), qkv_bias=layer.qkv.bias,
-                o_bias=layer.o.bias, q_norm=layer.q_norm, k_norm=layer.k_norm) for layer in self.layers]
-            self._fused = cpu_kernels.FusedDecoder(shape, layers, self.final_norm, self.lm_head.packed())
-            self._fused_key = key
-        return self._fused
+        c = self.config
+        shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         c.intermediate_size, c.vocab_size, c.rms_norm_eps)
+        layers = [cpu_kernels.DecoderLayerWeights(
+            attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm, qkv=layer.qkv.packed(), o=layer.o.packed(),
+            gate_up=layer.gate_up.packed(), down=layer.down.packed(), qkv_bias=layer.qkv.bias,
+            o_bias=layer.o.bias, q_norm=layer.q_norm, k_norm=layer.k_norm) for layer in self.layers]
+        return cpu_kernels.FusedDecoder(shape, layers, self.final_norm, self.lm_head.packed())
 
     @torch.inference_mode()
     def layerwise_forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
@@ -351,8 +341,7 @@ class TargetModel(nn.Module):
         """`forward` layer by layer through PyTorch ops: fp32 (the reference checked against
         transformers), GPUs, bf16 without our kernels, and the reference the fused pass is
         tested against."""
-        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant,
-                             use_kernel=self.weight_dtype == torch.bfloat16 and self._kernels_available())
+        plan = AttentionPlan(caches, num_new_tokens, per_token=batch_invariant, use_kernel=self._runs_cpu_kernels())
         positions = plan.positions
         cos_table, sin_table = self._rope_tables(plan.max_position + 1)
         cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)  # [tokens, 1, head_dim]
@@ -414,13 +403,10 @@ class TargetModel(nn.Module):
                 layer.gate_up.weight_t.copy_(gate_up.t())
                 layer.down.weight_t.copy_(take(p + "mlp.down_proj.weight").t())
 
-    def _kernel_attention(self) -> bool:
+    def _runs_cpu_kernels(self) -> bool:
         """The bf16 CPU target runs through our kernels (batch invariant at full speed); fp32
         keeps PyTorch's ops, the reference checked against transformers."""
-        return self.weight_dtype == torch.bfloat16 and self._kernels_available()
-
-    def _kernels_available(self) -> bool:
-        if not self.embed.is_cpu:
+        if self.weight_dtype != torch.bfloat16 or not self.embed.is_cpu:
             return False
         from dspark_trt.kernels import cpu_kernels
 
