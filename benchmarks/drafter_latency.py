@@ -38,7 +38,7 @@ def main() -> int:
     from dspark_trt.training.prompts import load_prompts
     import torch
 
-    llm = LLM(target="default", drafter=args.drafter, dtype=args.dtype)
+    llm = LLM(target="default", drafter=args.drafter, dtype=args.dtype, policy="all")  # every step drafts
     proposer = llm.engine.proposer
     drafter = proposer.drafter
     head = drafter.sequential
@@ -52,14 +52,11 @@ def main() -> int:
             names.reverse()
         for name in names:
             drafter.sequential = head if name == "with_head" else None
-            confidences = dict(proposer.last_confidences)
             start = time.perf_counter()
             drafts = propose(requests)
             times[name].append(time.perf_counter() - start)
-            if name == "with_head":
+            if name == "with_head":  # the head-less block (and its confidences) is dropped
                 kept_drafts = drafts
-            else:
-                proposer.last_confidences = confidences  # the head-less block must not steer the scheduler
         drafter.sequential = head
         return kept_drafts
 

@@ -67,7 +67,7 @@ def main() -> int:
                 if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t for r in runs)]
         if not todo:
             continue
-        llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size)
+        llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size, policy="all")  # tau of the whole block
         for dataset, count, temperature in todo:
             prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, count)]
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i)

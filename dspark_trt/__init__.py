@@ -8,16 +8,7 @@
 
 __version__ = "0.1.0"
 
-import os as _os
-import sys as _sys
-
-# The CPU runtime runs its matmuls on numpy's OpenBLAS threads (see models/linear.py). PyTorch's
-# OpenMP workers spin between ops by default and then fight those threads for the cores (6x
-# slower steps, measured), so ask them to sleep instead. This only takes effect if torch has not
-# been imported yet; `runtime.threads` handles the other case.
-TORCH_IMPORTED_FIRST = "torch" in _sys.modules and "OMP_WAIT_POLICY" not in _os.environ
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+from dspark_trt.thread_env import TORCH_IMPORTED_FIRST  # first: before anything imports torch
 from dspark_trt.errors import DsparkError, InvalidRequestError, ModelLoadError
 from dspark_trt.runtime.sampling import SamplingParams
 from dspark_trt.runtime.llm import LLM, RequestOutput

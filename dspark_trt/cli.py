@@ -53,15 +53,18 @@ def main():
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat/--raw", default=True, show_default=True,
               help="Wrap the prompt in the target's chat template, or feed it as raw text.")
+@click.option("--policy", default="auto", show_default=True,
+              help="With --drafter, how many draft tokens each step verifies: auto (dspark for a DSpark drafter, "
+                   "else the whole block), all, fixed:K, threshold:H, dspark, dspark-lagged, none.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"text", "token_ids", "metrics"} as JSON.')
 @dtype_option
-def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, seed, stop, chat, as_json, dtype):
+def generate(prompt, target, drafter, max_tokens, temperature, top_p, top_k, seed, stop, chat, policy, as_json, dtype):
     """Generate a completion for one prompt and report acceptance statistics."""
     from dspark_trt import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=list(stop))
-    llm = LLM(target=target, drafter=drafter, dtype=dtype)
+    llm = LLM(target=target, drafter=drafter, dtype=dtype, policy=policy)
     use_chat = chat and bool(getattr(llm.tokenizer, "chat_template", None))
     output = llm.generate([prompt], params, chat=use_chat)[0]
     if as_json:

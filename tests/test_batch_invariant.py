@@ -69,7 +69,7 @@ def _run_many(target, drafter, jobs, arrivals: dict[int, list[int]]) -> dict[int
     """Run `jobs` (index, prompt, params) through one batch-invariant engine, each arriving at
     its step in `arrivals`; returns every job's output tokens."""
     engine = Engine(target, DSparkProposer(drafter), max_batch_size=4, max_batch_tokens=24, max_model_len=128,
-                    batch_invariant=True)
+                    batch_invariant=True, policy="all")
     by_index = {index: (prompt, params) for index, prompt, params in jobs}
     requests, step = {}, 0
     pending = {s: list(v) for s, v in arrivals.items()}

@@ -179,9 +179,9 @@ def test_manifest_and_profile_round_trip(built, tmp_path):
 
 def test_llm_serves_the_engine_directory_like_its_parts(built):
     params = SamplingParams(max_tokens=10, temperature=0.0)
-    from_dir = LLM(engine_dir=built[0], max_batch_size=2)
+    from_dir = LLM(engine_dir=built[0], max_batch_size=2, policy="all")
     assert from_dir.engine.proposer is not None
-    direct = LLM(target=tiny_target_folder(), drafter=str(tiny_drafter_folder()), max_batch_size=2)
+    direct = LLM(target=tiny_target_folder(), drafter=str(tiny_drafter_folder()), max_batch_size=2, policy="all")
     prompts = ["The sea is", "def f(x):"]
     a, b = from_dir.generate(prompts, params), direct.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]

@@ -214,7 +214,7 @@ def test_greedy_speculative_decoding_with_a_drafter_equals_plain(tiny_llama, tar
     prompts = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = LLM(target=tiny_llama).generate(prompts, params)
-    speculative = LLM(target=tiny_llama, drafter=tmp_path / "drafter").generate(prompts, params)
+    speculative = LLM(target=tiny_llama, drafter=tmp_path / "drafter", policy="all").generate(prompts, params)
     for a, b in zip(plain, speculative):
         assert a.token_ids == b.token_ids
         assert b.metrics["num_draft_tokens"] > 0
@@ -237,8 +237,17 @@ def test_drafter_for_another_target_is_refused(tiny_factory, target, tmp_path):
 def test_proposer_context_follows_the_target_cache(tiny_llama, target, tmp_path):
     """After every step the drafter's context covers exactly the positions in the target's cache."""
     save_drafter(make_drafter(target), tmp_path / "drafter")
-    llm = LLM(target=tiny_llama, drafter=tmp_path / "drafter", max_batch_tokens=16)  # chunked prefill
+    llm = LLM(target=tiny_llama, drafter=tmp_path / "drafter", max_batch_tokens=16, policy="all")  # chunked prefill
     proposer = llm.engine.proposer
+    last_drafts = {}  # request id -> its latest full block
+    propose = proposer.propose
+
+    def recording_propose(requests):
+        drafts = propose(requests)
+        last_drafts.update((r.request_id, d) for r, d in zip(requests, drafts))
+        return drafts
+
+    proposer.propose = recording_propose
     request = llm.engine.add_request(llm.encode("A prompt long enough to need two prefill chunks here"),
                                      SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     while not request.finished:
@@ -246,7 +255,7 @@ def test_proposer_context_follows_the_target_cache(tiny_llama, target, tmp_path)
         if not request.finished:
             assert proposer.context_length(request.request_id) == request.cache.length
             if request.stats.num_steps:
-                assert proposer.last_confidences[request.request_id].shape == (4,)
+                assert last_drafts[request.request_id].confidences.shape == (4,)
     assert proposer.context_length(request.request_id) == 0  # released with the request
     assert request.request_id not in proposer.pool.slot_of
 
@@ -273,16 +282,14 @@ def test_batched_drafting_equals_drafting_alone(target, tmp_path):
     together = DSparkProposer(drafter)
     batch = make_requests()
     for request, f in zip(batch, features):
-        request.new_features = f
-        together.observe(request)
+        together.observe(request, f)
     drafts = together.propose(batch[::-1])[::-1]  # order of the call must not matter either
     for request, f, draft in zip(make_requests(), features, drafts):
         alone = DSparkProposer(drafter)
-        request.new_features = f
-        alone.observe(request)
-        assert alone.propose([request])[0].tokens == draft.tokens
-        assert torch.allclose(alone.last_confidences[request.request_id],
-                              together.last_confidences[request.request_id], atol=1e-5)
+        alone.observe(request, f)
+        alone_draft = alone.propose([request])[0]
+        assert alone_draft.tokens == draft.tokens
+        assert torch.allclose(alone_draft.confidences, draft.confidences, atol=1e-5)
 
 
 def test_markov_rows_equal_the_heads_bias_and_do_not_depend_on_the_batch(target):
@@ -340,9 +347,8 @@ def test_dspark_proposer_drafts_what_training_trains(target, dataset, head):
     request = Request("r", seq.token_ids[: seq.prompt_length].tolist(), SamplingParams(temperature=1.0),
                       torch.Generator().manual_seed(0))
     request.output_token_ids = seq.token_ids[seq.prompt_length : p + 1].tolist()
-    request.new_features = seq.features[:p, :width].float()
     proposer = DSparkProposer(drafter)
-    proposer.observe(request)
+    proposer.observe(request, seq.features[:p, :width].float())
     draft = proposer.propose([request])[0]
 
     tokens = seq.token_ids.clone()
@@ -357,7 +363,7 @@ def test_dspark_proposer_drafts_what_training_trains(target, dataset, head):
     trained = torch.softmax(logits[0, a], dim=-1)  # [gamma, V_d]
     drafted = draft.probs[:, drafter.draft_vocab]  # [gamma, V_d]
     assert torch.allclose(drafted, trained, atol=1e-5)
-    assert torch.allclose(proposer.last_confidences["r"], torch.sigmoid(confidence[0, a]), atol=1e-5)
+    assert torch.allclose(draft.confidences, torch.sigmoid(confidence[0, a]), atol=1e-5)
 
 
 def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):
@@ -374,8 +380,7 @@ def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_p
     request = Request("r", seq.token_ids[: seq.prompt_length].tolist(), SP(temperature=0.0), torch.Generator())
     request.output_token_ids = seq.token_ids[seq.prompt_length : p + 1].tolist()
     proposer = EagleProposer(drafter)
-    request.new_features = seq.features[:p, : 2 * 64]
-    proposer.observe(request)
+    proposer.observe(request, seq.features[:p, : 2 * 64])
     with torch.no_grad():
         fused = drafter.fuse_features(seq.features[None, :, : 2 * 64].float())
         fused = torch.cat([fused, torch.zeros_like(fused[:, :1])], dim=1)

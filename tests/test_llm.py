@@ -50,7 +50,7 @@ def test_eos_stops_generation(llm):
     eos = next(iter(llm.target.eos_token_ids))
     request = llm.engine.add_request(llm.encode("hi"), SamplingParams(max_tokens=5, temperature=0.0))
     llm.engine.step()  # prefill
-    llm.engine._commit(request, [eos, 7, 8])
+    llm.engine.output_processor.commit(request, [eos, 7, 8])
     assert request.finish_reason.value == "stop" and request.output_token_ids[-1] == eos
     llm.engine.abort(request)
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_free_slots == llm.engine.pool.num_slots
@@ -176,7 +176,7 @@ def test_default_target_with_default_drafter_is_lossless():
     (greedy) returns exactly plain decoding's tokens."""
     prompt = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}]
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    speculative = LLM(target="default", drafter="default")
+    speculative = LLM(target="default", drafter="default", policy="all")
     plain = LLM(target="default")
     a = speculative.chat(prompt, params)[0]
     b = plain.chat(prompt, params)[0]

@@ -262,7 +262,7 @@ def server(tiny_models, tmp_path_factory):
     target, drafter = tiny_models
     repo = tmp_path_factory.mktemp("triton-repo")
     code, output = _run_cli("--target", target, "--drafter", drafter, "--output", repo, "--model-name", MODEL,
-                            "--max-model-len", 256, "--max-running-requests", 8, "--batch-invariant")
+                            "--max-model-len", 256, "--max-running-requests", 8, "--batch-invariant", "--policy", "all")
     assert code == 0, output
     log = repo.parent / "tritonserver.log"
     ports = [_free_port() for _ in range(3)]
@@ -292,7 +292,7 @@ def reference(tiny_models):
     target, drafter = tiny_models
     # Batch-invariant on both sides: Triton batches requests as they arrive, the reference as it
     # likes, and near-tied logits of a random model would otherwise flip with the batch.
-    llm = LLM(target=target, drafter=str(drafter), max_model_len=256, batch_invariant=True)
+    llm = LLM(target=target, drafter=str(drafter), max_model_len=256, batch_invariant=True, policy="all")
 
     def run(prompts, **params):
         return llm.generate(prompts, SamplingParams(**params))

@@ -47,7 +47,7 @@ def main() -> int:
     results = []
     for spec in args.drafter:
         name, _, folder = spec.partition("=")
-        llm = LLM(target="default", drafter=folder, max_batch_size=1)
+        llm = LLM(target="default", drafter=folder, max_batch_size=1, policy="all")
         decoded, first_slot_accepted = [], []  # per prompt: the row decoded, and per step: slot 1 accepted?
         for row in rows:
             step_log.steps.clear()

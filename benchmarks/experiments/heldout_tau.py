@@ -37,7 +37,7 @@ def main() -> int:
     results = []
     for spec in args.drafter:
         name, _, folder = spec.partition("=")
-        llm = LLM(target="default", drafter=folder, max_batch_size=args.batch_size)
+        llm = LLM(target="default", drafter=folder, max_batch_size=args.batch_size, policy="all")
         for temperature in args.temperature or [0.0, 1.0]:
             params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i)
                       for i in range(len(prompts))]

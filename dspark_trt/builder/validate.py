@@ -122,10 +122,10 @@ def runtime_greedy_drafts(drafter, feeds: dict[str, torch.Tensor]) -> tuple[torc
         length = int(feeds["context_lengths"][i])
         request = Request(f"validate-{i}", [0] * length, SamplingParams(temperature=0.0), torch.Generator())
         request.output_token_ids = [int(feeds["anchor_tokens"][i])]
-        request.new_features = feeds["context_features"][i, :length]
-        proposer.observe(request)
-        tokens.append(torch.tensor(proposer.propose([request])[0].tokens))
-        confidences.append(proposer.last_confidences.get(request.request_id, torch.ones(len(tokens[-1]))))
+        proposer.observe(request, feeds["context_features"][i, :length])
+        draft = proposer.propose([request])[0]
+        tokens.append(torch.tensor(draft.tokens))
+        confidences.append(draft.confidences if draft.confidences is not None else torch.ones(len(draft.tokens)))
         proposer.release(request)
     return torch.stack(tokens), torch.stack(confidences)
 

@@ -37,7 +37,8 @@ from dspark_trt.models.linear import (
     matmul,
     use_bf16_weights,
 )
-from dspark_trt.models.target import apply_rope, rms_norm
+from dspark_trt.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from dspark_trt.models.target import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -52,10 +53,8 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[..., 1, head_dim]` for integer positions `[...]` (rotate-half convention)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)
-    return angles.cos(), angles.sin()
+    cos, sin = rope_cos_sin(positions, inverse_frequencies(head_dim, theta))
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
 
 class FeatureFusion(nn.Module):

@@ -19,7 +19,6 @@ With bf16 weights on a CPU where our kernels run, `forward` is one C call for th
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -27,34 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_trt.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from dspark_trt.models.linear import DerivedFromWeights, FrozenLinear, in_row_by_row_mode, one_row_at_a_time
 from dspark_trt.models.target_config import TargetConfig
-from dspark_trt.runtime.kv_cache import KVCache, KVPool
+from dspark_trt.models.kv_cache import KVCache, KVPool
 
 
 @dataclass
 class TargetOutput:
     logits: torch.Tensor  # [num_logits, vocab] at the requested packed positions
     features: torch.Tensor | None  # [total_tokens, len(feature_layers) * hidden] or None
-
-
-def rope_inverse_frequencies(config: TargetConfig) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]`, with Llama-3 frequency scaling when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling:  # llama3: long wavelengths are slowed down, short ones kept, a smooth ramp between
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_context = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_context / low, old_context / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,13 +46,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # the CPU's reduces each row alike whatever the count.
         return torch.cat([rms_norm(x[i : i + 1], weight, eps) for i in range(x.shape[0])])
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[tokens, heads, head_dim]` by per-token angles (`cos`/`sin`: `[tokens, 1, head_dim]`)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int) -> torch.Tensor:
@@ -259,7 +233,8 @@ class TargetModel(nn.Module):
         self.layers = nn.ModuleList(TargetLayer(config) for _ in range(config.num_layers))
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = FrozenLinear(config.hidden_size, config.vocab_size)
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling),
+                             persistent=False)
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
         self._fused = DerivedFromWeights()  # cpu_kernels.FusedDecoder of these weights (`_fused_decoder`)
@@ -273,11 +248,8 @@ class TargetModel(nn.Module):
     def _rope_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope_cos.shape[0] <= max_position or self._rope_cos.device != self.inv_freq.device:
             size = max(2 * max_position, 1024)
-            angles = torch.outer(torch.arange(size, dtype=torch.float32, device=self.inv_freq.device),
-                                 self.inv_freq)  # [size, head_dim/2]
-            angles = torch.cat((angles, angles), dim=-1)
-            self._rope_cos = angles.cos().to(self.embed.dtype)
-            self._rope_sin = angles.sin().to(self.embed.dtype)
+            cos, sin = rope_cos_sin(torch.arange(size, device=self.inv_freq.device), self.inv_freq)  # [size, head_dim]
+            self._rope_cos, self._rope_sin = cos.to(self.embed.dtype), sin.to(self.embed.dtype)
         return self._rope_cos, self._rope_sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@ This module only names devices; moving models and tensors is done where they are
 
 from __future__ import annotations
 
+import os
+import platform
+from pathlib import Path
+
 import torch
 
 from dspark_trt.errors import InvalidRequestError
@@ -40,6 +44,17 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:{torch.cuda.get_device_name(device)} sm_{major}{minor}"
-    from dspark_trt.runtime.profile import cpu_device_name
-
     return cpu_device_name()
+
+
+def cpu_device_name() -> str:
+    """A short name for this CPU (the profile is only valid on the machine it was measured on)."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{name} x{os.cpu_count()}"

@@ -28,9 +28,8 @@ import torch
 
 from dspark_trt.models.drafter import DSparkDrafter, MarkovHead
 from dspark_trt.models.linear import one_row_at_a_time
-from dspark_trt.runtime.proposer import Draft
+from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.sampling import greedy_tokens, sample
 
 
 class ContextCache:
@@ -169,7 +168,7 @@ class MarkovRows:
         return self.rows.index_select(0, previous_draft_ids)  # 3x faster than rows[ids] here
 
 
-class DSparkProposer:
+class DSparkProposer(Proposer):
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter.eval()
         config = drafter.config
@@ -178,7 +177,6 @@ class DSparkProposer:
         self.has_confidence = drafter.confidence is not None
         self.pool = ContextPool(len(drafter.layers), config.num_kv_heads, config.head_dim)
         self.queued: dict[str, list[torch.Tensor]] = {}  # request id -> features not yet in the pool
-        self.last_confidences: dict[str, torch.Tensor] = {}  # request id -> [gamma] calibrated c_k
         self.markov_rows = MarkovRows(drafter) if isinstance(drafter.sequential, MarkovHead) else None
 
     def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
@@ -189,11 +187,10 @@ class DSparkProposer:
             return self.markov_rows(previous), None
         return self.drafter.sequential_bias(hidden, previous, state)
 
-    def observe(self, request: Request) -> None:
-        """Queue the target features of the positions the last step kept for `request`."""
-        if request.new_features is not None and len(request.new_features):
-            self.queued.setdefault(request.request_id, []).append(request.new_features)
-        request.new_features = None
+    def observe(self, request: Request, features: torch.Tensor) -> None:
+        """Queue the target features `[num_kept, m * d]` of the positions the last step kept for `request`."""
+        if len(features):
+            self.queued.setdefault(request.request_id, []).append(features)
 
     def context_length(self, request_id: str) -> int:
         """Positions of this request's context the drafter has (in the pool or queued)."""
@@ -204,7 +201,6 @@ class DSparkProposer:
     def release(self, request: Request) -> None:
         self.pool.release(request.request_id)
         self.queued.pop(request.request_id, None)
-        self.last_confidences.pop(request.request_id, None)
 
     @torch.inference_mode()
     def _catch_up(self, requests: list[Request]) -> None:
@@ -303,8 +299,6 @@ class DSparkProposer:
         else:
             hidden, backbone_logits = self._torch_backbone(block, slots)
 
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
         anchor_ids = drafter.to_draft[anchors]  # [N] draft-vocab ids of the anchors (x_0)
         previous = anchor_ids  # [N] draft-vocab ids of x_{k-1}
         chosen, distributions, state = [], [], None
@@ -313,13 +307,9 @@ class DSparkProposer:
             logits = backbone_logits[:, k]  # [N, V_d]
             if bias is not None:
                 logits.add_(bias)  # in place: U_k is not needed again
-            choice = greedy_tokens(logits)
-            if sampled:  # greedy requests need no distribution: verification compares tokens
-                probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
-                for i in sampled:
-                    choice[i] = sample(probs[i], requests[i].generator)
-                distributions.append(probs)
+            choice, probs = draw_tokens(logits, requests)
             chosen.append(choice)
+            distributions.append(probs)
             previous = choice
         draft_ids = torch.stack(chosen, 1)  # [N, gamma]
         previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
@@ -327,15 +317,13 @@ class DSparkProposer:
         confidence = drafter.confidence_logits(hidden, previous_ids)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
         tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
+        sampled = distributions[0] is not None  # any request samples: every position has distributions
         all_probs = torch.stack(distributions, 1) if sampled else None  # [N, gamma, V_d]
 
         drafts = [None] * num_requests
         for i, request in enumerate(requests):
-            if calibrated is not None:
-                self.last_confidences[request.request_id] = calibrated[i]
             full_probs = None
-            if not request.params.greedy:  # over the whole target vocabulary: zero outside the draft one
-                full_probs = torch.zeros(gamma, drafter.config.target_vocab_size)
-                full_probs[:, drafter.draft_vocab] = all_probs[i]
-            drafts[order[i]] = Draft(tokens[i].tolist(), full_probs)
+            if not request.params.greedy:  # verification compares them with the target's vocabulary
+                full_probs = to_target_vocab(all_probs[i], drafter.draft_vocab, drafter.config.target_vocab_size)
+            drafts[order[i]] = Draft(tokens[i].tolist(), full_probs, None if calibrated is None else calibrated[i])
         return drafts

@@ -14,9 +14,8 @@ import torch
 
 from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.runtime.dspark_proposer import ContextCache
-from dspark_trt.runtime.proposer import Draft
+from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.sampling import sample
 
 
 class EagleState:
@@ -25,20 +24,19 @@ class EagleState:
         self.last_output: torch.Tensor | None = None  # layer output at the newest position, [1, 1, d]
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     def __init__(self, drafter: EagleDrafter):
         self.drafter = drafter.eval()
         self.feature_layers = tuple(drafter.config.feature_layers)
         self.block_size = drafter.config.block_size
         self.states: dict[str, EagleState] = {}
-        self.has_confidence = False  # no confidence head: fixed:K or none only
+        # no confidence head (`has_confidence` stays False): fixed:K, all or none only
 
     @torch.inference_mode()
-    def observe(self, request: Request) -> None:
-        """Target features of k more positions arrived, so k more positions have both inputs
-        (x_t and f_{t-1}); on the first call also position 0, whose feature input is zero."""
-        features = request.new_features
-        if features is None or not len(features):
+    def observe(self, request: Request, features: torch.Tensor) -> None:
+        """Target features `[k, m * d]` of k more positions arrived, so k more positions have both
+        inputs (x_t and f_{t-1}); on the first call also position 0, whose feature input is zero."""
+        if not len(features):
             return
         state = self.states.setdefault(request.request_id, EagleState())
         fused = self.drafter.fuse_features(features)[None]  # [1, k, d]
@@ -54,7 +52,6 @@ class EagleProposer:
         output, kv = self.drafter.step(x, positions, *self._context(state), mask)
         state.cache.append([kv])
         state.last_output = output[:, -1:]
-        request.new_features = None
 
     def _context(self, state: EagleState):
         if state.cache.length == 0:
@@ -77,14 +74,10 @@ class EagleProposer:
         chain_k = context_k[:, :, :0]
         chain_v = context_v[:, :, :0]
         for j in range(self.block_size):
-            logits = drafter.logits(output)[0, 0]
-            if request.params.greedy:
-                choice = int(logits.argmax())
-            else:
-                probs = torch.softmax(logits.float() / request.params.temperature, dim=-1)
-                choice = sample(probs, request.generator)
-                distributions.append(probs)
-            tokens.append(int(drafter.draft_vocab[choice]))
+            choice, probs = draw_tokens(drafter.logits(output)[0], [request])  # [1], [1, V_d] or None
+            if probs is not None:
+                distributions.append(probs[0])
+            tokens.append(int(drafter.draft_vocab[choice[0]]))
             if j + 1 == self.block_size:
                 break
             position = torch.tensor([[pending + j + 1]])
@@ -94,6 +87,5 @@ class EagleProposer:
             chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)
         full_probs = None
         if distributions:
-            full_probs = torch.zeros(len(tokens), drafter.config.target_vocab_size)
-            full_probs[:, drafter.draft_vocab] = torch.stack(distributions)
+            full_probs = to_target_vocab(torch.stack(distributions), drafter.draft_vocab, drafter.config.target_vocab_size)
         return Draft(tokens, full_probs)

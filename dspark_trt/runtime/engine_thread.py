@@ -183,8 +183,8 @@ class EngineThread:
                 log.exception("engine step failed")
                 self._fail_all(f"{type(e).__name__}: {e}")
                 continue
-            for request in updated:
-                self._emit(request)
+            for output in updated:
+                self._emit(output.request)
             if self.on_step is not None:
                 self.on_step(self.engine.last_step)
 
@@ -225,9 +225,7 @@ class EngineThread:
         if request.finished:
             self._streams.pop(request.request_id, None)
             delta.finish_reason = request.finish_reason.value
-            delta.metrics = request.stats.as_dict()
-            delta.metrics["prompt_tokens"] = len(request.prompt_token_ids)
-            delta.metrics["completion_tokens"] = len(request.output_token_ids)
+            delta.metrics = request.metrics()
         self._deliver(stream, delta)
 
     @staticmethod

@@ -18,13 +18,15 @@ import torch
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.models.linear import DEFAULT_DTYPE, dtype_name, resolve_dtype
 from dspark_trt.models.loading import LoadedTarget, load_target
+from dspark_trt.runtime.chat import Messages, encode_chat, render_chat
 from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.in_flight import Job, run_in_flight
 from dspark_trt.runtime.profile import LatencyProfile, torch_backend_name
 from dspark_trt.runtime.proposer import Proposer
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import SamplingParams
+from dspark_trt.runtime.verify_policy import DEFAULT_POLICY
 
-Messages = list[dict[str, str]]
 
 
 @dataclass
@@ -38,21 +40,20 @@ class RequestOutput:
 
     @classmethod
     def from_request(cls, request: Request) -> "RequestOutput":
-        metrics = request.stats.as_dict()
-        metrics["prompt_tokens"] = len(request.prompt_token_ids)
-        metrics["completion_tokens"] = len(request.output_token_ids)
         return cls(request.request_id, request.prompt_token_ids, request.output_text,
-                   list(request.output_token_ids), request.finish_reason.value, metrics)
+                   list(request.output_token_ids), request.finish_reason.value, request.metrics())
 
 
 class LLM:
     def __init__(self, target: str | os.PathLike = "default", drafter: Proposer | str | None = None,
                  engine_dir: str | os.PathLike | None = None, dtype: str = DEFAULT_DTYPE,
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
-                 policy: str | None = None, profile: LatencyProfile | str | os.PathLike | None = None,
+                 policy: str = DEFAULT_POLICY, profile: LatencyProfile | str | os.PathLike | None = None,
                  batch_invariant: bool = False, device: str | torch.device = "cpu"):
-        """`policy`: how many draft tokens each step verifies (`none`, `fixed:K`, `threshold:H`,
-        `dspark`, `dspark-lagged`; default: the whole block when a drafter is given, else `none`).
+        """`policy`: how many draft tokens each step verifies (`auto`, `none`, `all`, `fixed:K`,
+        `threshold:H`, `dspark`, `dspark-lagged`; `verify_policy.resolve_policy`). The default,
+        `auto`, is `dspark` for a drafter with a confidence head (with a quick latency profile
+        measured at start-up when none is given), the whole block for one without, else `none`.
         `profile`: a `profile.json` (or `LatencyProfile`) for the confidence policies; without
         one they measure a quick profile at start-up.
         `batch_invariant`: every request's output is what it would be alone (same tokens at
@@ -144,20 +145,11 @@ class LLM:
         return self.tokenizer(prompt).input_ids
 
     def encode_chat(self, messages: Messages) -> list[int]:
-        return self.tokenizer(self.render_chat(messages), add_special_tokens=False).input_ids
+        return encode_chat(self.tokenizer, messages, self.target.name)
 
     def render_chat(self, messages: Messages) -> str:
         """The target's chat template applied to `messages`, ready for the assistant's reply."""
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(f"the target {self.target.name} has no chat template", "messages")
-        from jinja2 import TemplateError  # transformers' chat templates are jinja
-
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except TemplateError as exc:  # a template may refuse a conversation (roles out of order, ...)
-            raise InvalidRequestError(f"the chat template refused these messages: {exc}", "messages") from None
+        return render_chat(self.tokenizer, messages, self.target.name)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -170,9 +162,20 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise InvalidRequestError("give one SamplingParams, or one per prompt", "sampling_params")
-        token_lists = [self.encode(p, chat) for p in prompts]  # validate all before starting any
-        requests = [self.engine.add_request(ids, params) for ids, params in zip(token_lists, sampling_params)]
-        self._run(requests, use_tqdm)
+        token_lists = [self.encode(p, chat) for p in prompts]
+        for ids in token_lists:  # validate all before starting any
+            self.engine.check_prompt(ids)
+        jobs = [Job(ids, params) for ids, params in zip(token_lists, sampling_params)]
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(jobs), desc="generating", unit="req")
+        try:  # every prompt in flight at once: the engine admits them as KV slots free
+            requests = run_in_flight(self.engine, jobs, max_in_flight=len(jobs), progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
         return [RequestOutput.from_request(r) for r in requests]
 
     def chat(self, messages: Messages | list[Messages], sampling_params: SamplingParams | None = None,
@@ -180,23 +183,3 @@ class LLM:
         """Generate replies to one conversation or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
-
-    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        progress = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(requests), desc="generating", unit="req")
-        try:
-            while self.engine.has_unfinished():
-                for request in self.engine.step():
-                    if request.finished and progress is not None:
-                        progress.update(1)
-        except BaseException:
-            for request in requests:  # leave the engine clean for the next call
-                if not request.finished:
-                    self.engine.abort(request)
-            raise
-        finally:
-            if progress is not None:
-                progress.close()

@@ -15,14 +15,13 @@ in it is exactly what the scheduler should exploit.
 Between measured points step time is interpolated linearly; past the last point it is
 extrapolated along the last segment (never below the last value).
 
-This module measures and looks up; it does not decide anything (see `scheduler.py`).
+This module measures and looks up; it does not decide anything (see `verify_policy.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.device import device_name
 
 PROFILE_FORMAT_KEYS = ("backend", "device", "target", "drafter")
 
@@ -41,19 +41,6 @@ def _powers_of_two(limit: int) -> list[int]:
         values.append(v)
         v *= 2
     return values + [limit]
-
-
-def cpu_device_name() -> str:
-    """A short name for this CPU (the profile is only valid on the machine it was measured on)."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu:{name} x{os.cpu_count()}"
 
 
 def torch_backend_name(device: torch.device, weight_dtype: torch.dtype) -> str:
@@ -221,8 +208,7 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
         request = Request(f"profile-{i}", list(range(1, context_length)), SamplingParams(temperature=0.0),
                           torch.Generator())
         request.output_token_ids = [1]
-        request.new_features = torch.randn(context_length, width, generator=generator)
-        proposer.observe(request)
+        proposer.observe(request, torch.randn(context_length, width, generator=generator))
         requests.append(request)
     seconds = []
     try:
@@ -230,8 +216,7 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
 
         def step(batch):
             for request in batch:
-                request.new_features = kept
-                proposer.observe(request)
+                proposer.observe(request, kept)
             proposer.propose(batch)
 
         for count in num_requests:
@@ -272,8 +257,6 @@ def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, 
         num_requests = _powers_of_two(max_requests)
         drafter_seconds = suffix_minimum(measure_drafter_curve(target, proposer, num_requests, repeats=repeats,
                                                                progress=progress))
-    from dspark_trt.runtime.device import device_name
-
     device = target.model.embed.device
     weight_dtype = getattr(target.model, "weight_dtype", torch.float32)  # other backends: their own name
     return LatencyProfile(backend=torch_backend_name(device, weight_dtype), device=device_name(device),

@@ -4,6 +4,9 @@ A request's tokens live in three places: `prompt_token_ids` (given), `output_tok
 (committed), and its `KVCache`, which holds every token but the last committed one: that
 `pending_token` is fed at the next step as the *anchor* of the draft block, and its logits
 verify the draft. `RequestStats` counts what speculation did for this request.
+
+A request carries what it asked for and what it has committed; what a step computed for it
+(logits, target features) travels as arguments (`engine.StepOutput`, `Proposer.observe`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_trt.runtime.kv_cache import KVCache
+from dspark_trt.models.kv_cache import KVCache
 from dspark_trt.runtime.sampling import SamplingParams
 
 
@@ -24,23 +27,50 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
-class RequestStats:
-    num_steps: int = 0  # target verification steps after prefill
-    num_draft_tokens: int = 0  # draft tokens sent to verification
-    num_accepted_tokens: int = 0  # draft tokens accepted
-    accepted_per_position: list[int] = field(default_factory=list)  # [k] = times draft slot k+1 was accepted
+class AcceptanceCounts:
+    """Per draft slot: how often it was verified and how often accepted (a request's, or the engine's total)."""
+
     drafted_per_position: list[int] = field(default_factory=list)  # [k] = times draft slot k+1 was verified
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] = times draft slot k+1 was accepted
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.num_steps += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
         while len(self.drafted_per_position) < num_drafted:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
         for k in range(num_drafted):
             self.drafted_per_position[k] += 1
             self.accepted_per_position[k] += int(k < num_accepted)
+
+    def add(self, other: AcceptanceCounts) -> None:
+        """Add another's counts slot by slot (totals over requests)."""
+        for name in ("drafted_per_position", "accepted_per_position"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for k, count in enumerate(theirs):
+                mine[k] += count
+
+    def conditional_acceptance(self, num_positions: int) -> list[float]:
+        """[k] = P(slot k+1 accepted | slots 1..k were), as `accepted_{k+1} / accepted_k` (slot 1:
+        over the times it was verified): the paper's figure 2."""
+        conditional, reached = [], self.drafted_per_position[0] if self.drafted_per_position else 0
+        for k in range(num_positions):
+            count = self.accepted_per_position[k] if k < len(self.accepted_per_position) else 0
+            conditional.append(count / reached if reached else 0.0)
+            reached = count
+        return conditional
+
+
+@dataclass
+class RequestStats(AcceptanceCounts):
+    num_steps: int = 0  # target verification steps after prefill
+    num_draft_tokens: int = 0  # draft tokens sent to verification
+    num_accepted_tokens: int = 0  # draft tokens accepted
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        super().record(num_drafted, num_accepted)
 
     @property
     def accept_length(self) -> float:
@@ -70,10 +100,6 @@ class Request:
     finish_reason: FinishReason | None = None
     output_text: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
-    # Set by each step for the positions it kept (see Engine): target features
-    # [num_kept, num_feature_layers * hidden] and logits [num_kept_with_logits, vocab].
-    new_features: torch.Tensor | None = None
-    new_logits: torch.Tensor | None = None
 
     @property
     def in_prefill(self) -> bool:
@@ -91,3 +117,8 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def metrics(self) -> dict:
+        """What a finished request reports (API outputs, stream ends): its speculation stats and token counts."""
+        return {**self.stats.as_dict(), "prompt_tokens": len(self.prompt_token_ids),
+                "completion_tokens": len(self.output_token_ids)}

@@ -1,257 +1,149 @@
-"""Verification policies: how many draft tokens each request verifies this step.
+"""The scheduler: which requests run this step, whether the drafter runs, and what each feeds.
 
-Every step the engine drafts a full block for each decoding request (a drafter never runs
-with fewer tokens than its trained block) and then asks the policy for `l_r`, the number of
-draft tokens of request r the target checks. The rest are dropped before the target sees them.
+It owns the queues (`waiting`, `running`), the KV pool's slots, the token budget of a step
+(`max_batch_tokens`, which chunked prefill fills after the decode feeds) and the inputs of the
+verify policy (each request's prefix survivals of its latest block). Per step, in two calls
+with the drafter in between:
 
-    none          plain decoding: no drafter runs at all
-    fixed:K       l_r = K (MTP-1 is the MTP-1 drafter with fixed:1)
-    threshold:H   verify positions while the prefix survival a_{r,j} = prod_{i<=j} c_{r,i} >= H
-    dspark        Algorithm 1 of the paper: walk all (r, j) by descending a_{r,j}, admit while
-                  expected tokens per second improves, stop at the first non-improvement
-    dspark-lagged the budget K comes from confidences one step old (global search over K, no
-                  early stop, so a jagged latency curve is fully exploited); the K slots then go
-                  to the current top-K prefix survivals
+    schedule()            admit waiting requests while KV slots are free (first come, first
+                          served; out of memory means waiting, never a crash); the decoding
+                          requests; whether to draft (the policy, from survivals one step old)
+    pack(plan, blocks)    each decode feed: [pending token] + the draft cut to the policy's
+                          budget; then prompt chunks of prefilling requests into what is left of
+                          the token budget; and, once, which rows of each feed need logits
 
-Objective (vLLM's form, which counts the drafter too):
-    expected committed tokens / (drafter seconds(num drafting) + target seconds(batch tokens))
-with the expected tokens `sum_r (1 + sum_{j<=l_r} a_{r,j})` and the batch tokens `sum_r (1 + l_r)`.
-
-Why losslessness survives: whether position j of request r is verified may depend on anything
-but the draft token x_{r,j} itself. `c_{r,j}` looks at x_{r,j-1}, never x_{r,j}. Algorithm 1's early
-stop makes admitting (r, j) depend only on items with a larger survival, i.e. never on
-a_{r,j+1} (which depends on x_{r,j}); searching past a non-improvement would (the paper's
-appendix A; `tests/test_scheduler.py` shows the bias). The lagged budget is fixed before the
-current block exists, and a top-K set is decided by larger values only.
-
-Drafting itself is a choice under load (`should_draft`): with confidences from earlier steps,
-the policy compares the best expected rate with drafting against plain decoding and skips the
-drafter when it does not pay; the drafter then catches up on the context it missed before it
-drafts again (see `DSparkProposer.observe`).
-
-This module is pure Python over floats; the engine owns tensors and requests.
+It runs no model and commits nothing (the engine does); how many tokens to verify is the
+policy's decision (`verify_policy.py`), made here only in the sense of being asked.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
-from dspark_trt.errors import InvalidRequestError
-from dspark_trt.runtime.profile import LatencyProfile
-
-POLICY_NAMES = ("none", "fixed:K", "threshold:H", "dspark", "dspark-lagged")
-
-
-def prefix_survival(confidences: list[float]) -> list[float]:
-    """a_j = prod_{i<=j} c_i: the probability that draft tokens 1..j all survive."""
-    survival, running = [], 1.0
-    for c in confidences:
-        running *= c
-        survival.append(running)
-    return survival
+from dspark_trt.models.kv_cache import KVPool
+from dspark_trt.runtime.proposer import Draft
+from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.stats import StepStats
+from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 
 
 @dataclass
-class Costs:
-    """Step-time lookups the objective needs (from a `LatencyProfile`)."""
+class Feed:
+    """What one request feeds the target this step."""
 
-    profile: LatencyProfile
+    request: Request
+    token_ids: list[int]  # a prompt chunk, or [pending token] + draft.tokens
+    draft: Draft | None  # None: a prompt chunk
+    num_logit_rows: int  # logits it needs: every row of a decode feed, the last of a prompt's final chunk, else 0
 
-    def rate(self, expected_tokens: float, batch_tokens: int, num_drafting: int) -> float:
-        seconds = self.profile.target_seconds(batch_tokens) + self.profile.drafter_seconds(num_drafting)
-        return expected_tokens / seconds
-
-
-def algorithm1(survival: list[list[float]], costs: Costs, num_drafting: int,
-               early_stop: bool = True) -> list[int]:
-    """The paper's Algorithm 1: verify budgets `l_r` from prefix survivals `survival[r][j]`.
-
-    Items are walked by descending survival (ties: earlier position first, so a request's
-    positions always come in order); each is admitted while it raises the objective, and the
-    walk stops at the first one that does not. `early_stop=False` instead takes the best prefix
-    of the whole walk (a global search over the *current* survivals): it exists only for the
-    tests that show why that is wrong. It would admit position j because admitting j and j+1
-    together pays, and whether it pays depends on a_{j+1}, i.e. on the sampled token x_j.
-    """
-    if not early_stop:
-        total, _ = best_budget(survival, costs, num_drafting)
-        return top_k_budgets(survival, total)
-    num_requests = len(survival)
-    budgets = [0] * num_requests
-    expected, batch = float(num_requests), num_requests
-    best = costs.rate(expected, batch, num_drafting)
-    for a, j, r in _by_descending_survival(survival):
-        candidate = costs.rate(expected + a, batch + 1, num_drafting)
-        if candidate <= best:
-            break
-        best, expected, batch = candidate, expected + a, batch + 1
-        budgets[r] = j + 1
-    return budgets
+    @property
+    def is_prefill(self) -> bool:
+        return self.draft is None
 
 
-def _by_descending_survival(survival: list[list[float]]) -> list[tuple[float, int, int]]:
-    """(a, j, r) for every draft position, highest survival first; ties go to the earlier position,
-    so each request's positions come in order (survival never rises along a block)."""
-    return sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
-                  key=lambda item: (-item[0], item[1], item[2]))
+@dataclass
+class StepPlan:
+    decoding: list[Request]  # requests past their prompt, in running order
+    draft_now: bool  # whether the drafter runs for them this step
+    stats: StepStats
+    feeds: list[Feed] = field(default_factory=list)  # filled by `Scheduler.pack`
 
 
-def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) -> tuple[int, float]:
-    """Global search: the total budget K (top-K survivals) with the highest rate, and that rate."""
-    num_requests = len(survival)
-    values = sorted((a for row in survival for a in row), reverse=True)
-    best_k, best_rate = 0, costs.rate(num_requests, num_requests, num_drafting)
-    expected = float(num_requests)
-    for k, a in enumerate(values, start=1):
-        expected += a
-        rate = costs.rate(expected, num_requests + k, num_drafting)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k, best_rate
+class Scheduler:
+    def __init__(self, pool: KVPool, policy: VerifyPolicy, max_batch_tokens: int, context_length: int,
+                 explore_every: int = 16):
+        self.pool = pool
+        self.policy = policy
+        self.max_batch_tokens = max_batch_tokens
+        self.context_length = context_length
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Prefix survivals of each request's latest block: the lagged input of `should_draft`.
+        self.survival: dict[str, list[float]] = {}
+        self.steps_since_draft = 0
+        self.explore_every = explore_every  # steps without drafting after which the drafter runs once anyway
 
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
 
-def top_k_budgets(survival: list[list[float]], total: int) -> list[int]:
-    """Give `total` verify slots to the highest prefix survivals (prefix-closed per request)."""
-    budgets = [0] * len(survival)
-    for a, j, r in _by_descending_survival(survival)[:total]:
-        budgets[r] = max(budgets[r], j + 1)
-    return budgets
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
 
+    def schedule(self) -> StepPlan | None:
+        """Admit, then plan the step; None when nothing runs."""
+        admitted = []
+        while self.waiting and self.pool.num_free_slots:
+            request = self.waiting.popleft()
+            request.cache = self.pool.allocate()
+            self.running.append(request)
+            admitted.append(request)
+        if not self.running:
+            return None
+        stats = StepStats(num_running=len(self.running), num_waiting=len(self.waiting))
+        stats.admitted_prompt_tokens = sum(len(r.prompt_token_ids) for r in admitted)
+        decoding = [r for r in self.running if not r.in_prefill]
+        stats.num_decoding = len(decoding)
+        return StepPlan(decoding, self._should_draft(decoding, stats), stats)
 
-class VerifyPolicy:
-    """Base: verify everything drafted (subclasses narrow it)."""
-
-    name = "all"
-    uses_drafter = True
-    needs_confidence = False
-    needs_profile = False
-
-    def __init__(self):
-        self.costs: Costs | None = None
-
-    def set_profile(self, profile: LatencyProfile | None) -> None:
-        self.costs = Costs(profile) if profile is not None else None
-
-    def should_draft(self, lagged_survival: list[list[float] | None]) -> bool:
-        """Whether the drafter runs this step, from survivals of earlier steps (None = unknown)."""
-        return self.uses_drafter
-
-    def budgets(self, survival: list[list[float]], draft_lengths: list[int], num_drafting: int) -> list[int]:
-        return list(draft_lengths)
-
-
-class NoSpeculation(VerifyPolicy):
-    name = "none"
-    uses_drafter = False
-
-    def budgets(self, survival, draft_lengths, num_drafting):
-        return [0] * len(draft_lengths)
-
-
-class FixedPolicy(VerifyPolicy):
-    def __init__(self, num_tokens: int):
-        super().__init__()
-        self.num_tokens = num_tokens
-        self.name = f"fixed:{num_tokens}"
-
-    def budgets(self, survival, draft_lengths, num_drafting):
-        return [min(self.num_tokens, n) for n in draft_lengths]
-
-
-class ThresholdPolicy(VerifyPolicy):
-    needs_confidence = True
-
-    def __init__(self, threshold: float):
-        super().__init__()
-        self.threshold = threshold
-        self.name = f"threshold:{threshold:g}"
-
-    def budgets(self, survival, draft_lengths, num_drafting):
-        return [min(n, sum(1 for a in row if a >= self.threshold)) for row, n in zip(survival, draft_lengths)]
-
-
-class DSparkPolicy(VerifyPolicy):
-    """Algorithm 1 with its early stop, plus the drafter-cost-aware choice to skip drafting."""
-
-    name = "dspark"
-    needs_confidence = True
-    needs_profile = True
-
-    def __init__(self):
-        super().__init__()
-        # (best total budget, its rate) of the last should_draft, from the survivals it was given
-        self.last_plan: tuple[int, float] | None = None
-
-    def should_draft(self, lagged_survival):
-        self.last_plan = None
-        if self.costs is None:
-            return True
-        known = [row for row in lagged_survival if row]
-        if not lagged_survival:
+    def _should_draft(self, decoding: list[Request], stats: StepStats) -> bool:
+        if not self.policy.uses_drafter or not decoding:
             return False
-        if not known:  # nothing drafted yet: try, so there is something to decide from
-            return True
-        fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
-        rows = [row if row else fallback for row in lagged_survival]
-        count = len(rows)
-        self.last_plan = best_budget(rows, self.costs, count)
-        return self.last_plan[1] > self.costs.rate(count, count, 0)  # drafting beats plain decoding
+        tick = time.perf_counter()
+        draft_now = self.policy.should_draft([self.survival.get(r.request_id) for r in decoding])
+        # Survivals only refresh when the drafter runs: explore now and then, so one bad block
+        # (or a load spike) does not switch drafting off for good.
+        draft_now = draft_now or self.steps_since_draft >= self.explore_every
+        stats.scheduler_seconds += time.perf_counter() - tick
+        self.steps_since_draft = 0 if draft_now else self.steps_since_draft + 1
+        return draft_now
 
-    def budgets(self, survival, draft_lengths, num_drafting):
-        if self.costs is None:
-            return list(draft_lengths)
-        rows = [row[:n] for row, n in zip(survival, draft_lengths)]
-        return algorithm1(rows, self.costs, num_drafting)
+    def pack(self, plan: StepPlan, blocks: list[Draft] | None) -> list[Feed]:
+        """The step's feeds from the full draft `blocks` of `plan.decoding` (None: nothing drafted)."""
+        drafts = self._verify_budgets(plan, blocks) if blocks is not None else [Draft([]) for _ in plan.decoding]
+        feeds, budget = [], self.max_batch_tokens
+        for request, draft in zip(plan.decoding, drafts):
+            tokens = [request.pending_token] + draft.tokens
+            feeds.append(Feed(request, tokens, draft, num_logit_rows=len(tokens)))
+            budget -= len(tokens)
+        for request in self.running:
+            if request.in_prefill and (budget > 0 or not feeds):
+                start = request.num_prompt_computed
+                chunk = request.prompt_token_ids[start : start + max(budget, 1)]
+                completes = start + len(chunk) == len(request.prompt_token_ids)
+                feeds.append(Feed(request, chunk, None, num_logit_rows=int(completes)))
+                budget -= len(chunk)
+        plan.feeds = feeds
+        plan.stats.batch_tokens = sum(len(feed.token_ids) for feed in feeds)
+        return feeds
 
+    def _verify_budgets(self, plan: StepPlan, blocks: list[Draft]) -> list[Draft]:
+        """Each request's block cut to the tokens the policy wants verified."""
+        tick = time.perf_counter()
+        survival, lengths = [], []
+        for request, draft in zip(plan.decoding, blocks):
+            # Never run past the context or max_tokens: the anchor, the draft and the bonus
+            # token must all fit.
+            room = min(self.context_length - request.cache.length - 1,
+                       request.params.max_tokens - len(request.output_token_ids) - 1)
+            lengths.append(max(0, min(len(draft.tokens), room)))
+            row = prefix_survival(draft.confidences.tolist()) if draft.confidences is not None else []
+            survival.append(row)
+            if row:
+                self.survival[request.request_id] = row
+        budgets = self.policy.budgets(survival, lengths, len(plan.decoding))
+        plan.stats.scheduler_seconds += time.perf_counter() - tick
+        plan.stats.verify_budget = sum(budgets)
+        return [draft.cut(count) for draft, count in zip(blocks, budgets)]
 
-class LaggedDSparkPolicy(DSparkPolicy):
-    """Section 5.2 of the paper: budget from old confidences, slots to current top-K."""
-
-    name = "dspark-lagged"
-
-    def __init__(self):
-        super().__init__()
-        self.lagged_budget = 0
-
-    def should_draft(self, lagged_survival):
-        draft = super().should_draft(lagged_survival)
-        # The budget that pays best given that the drafter runs: also right for a step that drafts
-        # only to refresh survivals (exploration), whose drafter cost is spent either way.
-        self.lagged_budget = -1 if self.last_plan is None else self.last_plan[0]  # -1: verify whole blocks
-        return draft
-
-    def budgets(self, survival, draft_lengths, num_drafting):
-        rows = [row[:n] for row, n in zip(survival, draft_lengths)]
-        if self.lagged_budget < 0:
-            return list(draft_lengths)
-        return top_k_budgets(rows, self.lagged_budget)
-
-
-def make_policy(spec: str) -> VerifyPolicy:
-    """Parse `none`, `fixed:K`, `threshold:H`, `dspark` or `dspark-lagged`."""
-    spec = spec.strip()
-    if spec == "none":
-        return NoSpeculation()
-    if spec == "dspark":
-        return DSparkPolicy()
-    if spec == "dspark-lagged":
-        return LaggedDSparkPolicy()
-    if spec == "all":
-        return VerifyPolicy()
-    name, _, value = spec.partition(":")
-    try:
-        if name == "fixed":
-            num_tokens = int(value)
-            if num_tokens < 0:
-                raise ValueError
-            return FixedPolicy(num_tokens)
-        if name == "threshold":
-            threshold = float(value)
-            if not 0.0 <= threshold <= 1.0 or math.isnan(threshold):
-                raise ValueError
-            return ThresholdPolicy(threshold)
-    except ValueError:
-        raise InvalidRequestError(f"bad policy {spec!r}: fixed:K needs an integer K >= 0, "
-                                  f"threshold:H a number H in [0, 1]", "policy") from None
-    raise InvalidRequestError(f"unknown policy {spec!r}; choose one of {', '.join(POLICY_NAMES)}", "policy")
+    def finish(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and free its KV slot."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.survival.pop(request.request_id, None)
+        if request.cache is not None:
+            self.pool.free(request.cache)
+            request.cache = None

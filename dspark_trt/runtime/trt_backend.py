@@ -2,7 +2,7 @@
 
 `tensorrt_target(loaded, plan)` returns the same `LoadedTarget` with its `model` replaced by
 `TensorRTTargetModel`, which has the interface the step loop and the profiler use
-(`new_pool`, `forward(token_ids, num_new_tokens, caches, logits_indices, feature_layers)`,
+(`new_pool`, `forward(token_ids, num_new_tokens, caches, logits_indices, feature_layers, batch_invariant)`,
 `config`), so `Engine`, `measure_latency_profile` and `LLM` run unchanged on it:
 
 - the KV pool lives on the GPU in the engine's layout `[L, S, KVH, C, HD]` (runtime/kv_cache.py);
@@ -24,7 +24,7 @@ import torch
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.target import TargetOutput
-from dspark_trt.runtime.kv_cache import KVCache, KVPool
+from dspark_trt.models.kv_cache import KVCache, KVPool
 
 
 class TensorRTUnavailable(DsparkError):
@@ -77,7 +77,10 @@ class TensorRTTargetModel:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
-                logits_indices: torch.Tensor | None = None, feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+                logits_indices: torch.Tensor | None = None, feature_layers: tuple[int, ...] = (),
+                batch_invariant: bool = False) -> TargetOutput:
+        if batch_invariant:  # the engine's kernels pick their tiling by batch shape
+            raise DsparkError("a TensorRT target engine cannot run batch invariant (use the PyTorch target)")
         if feature_layers and tuple(feature_layers) != self.feature_layers:
             raise DsparkError(f"the target engine returns feature layers {list(self.feature_layers)}, "
                               f"not {list(feature_layers)}")

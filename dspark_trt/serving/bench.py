@@ -248,7 +248,7 @@ def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: l
               dtype: str = "auto") -> dict:
     """All policies' servers run at once, and each (temperature, concurrency) point is measured for
     every policy back to back: whatever else loads the machine then loads every policy alike."""
-    from dspark_trt.runtime.profile import cpu_device_name
+    from dspark_trt.runtime.device import cpu_device_name
 
     output.parent.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

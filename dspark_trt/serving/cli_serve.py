@@ -13,8 +13,9 @@ import click
 from dspark_trt.cli_options import dtype_option
 from dspark_trt.serving.protocol import DEFAULT_MAX_BODY_BYTES
 
-POLICY_HELP = ("Verification policy: none, fixed:K, threshold:H, dspark, dspark-lagged "
-               "[default: dspark with a DSpark drafter, the whole block with other drafters, none without one].")
+POLICY_HELP = ("Verification policy: auto, none, all, fixed:K, threshold:H, dspark, dspark-lagged "
+               "[default: auto = dspark with a DSpark drafter, the whole block (all) with other drafters, "
+               "none without one].")
 
 
 def resolve_drafter(target: str, drafter: str | None) -> str | None:
@@ -29,12 +30,9 @@ def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: 
     from dspark_trt import LLM
 
     if engine_dir is not None:  # dtype auto: what the directory was built with
-        return LLM(engine_dir=engine_dir, policy=policy or "auto", max_batch_size=max_batch_size,
+        return LLM(engine_dir=engine_dir, policy=policy, max_batch_size=max_batch_size,
                    max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
-    drafter = resolve_drafter(target, drafter)
-    if policy is None and drafter is not None:
-        policy = "auto"
-    return LLM(target=target, drafter=drafter, policy=policy, profile=profile, max_batch_size=max_batch_size,
+    return LLM(target=target, drafter=resolve_drafter(target, drafter), policy=policy, profile=profile, max_batch_size=max_batch_size,
                max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
 
 

@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.loading import LoadedTarget
-from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.chat import encode_chat
+from dspark_trt.runtime.engine import Engine, StepOutput
+from dspark_trt.runtime.in_flight import Job, run_in_flight
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import SamplingParams
 from dspark_trt.training.prompts import Prompt
@@ -65,11 +67,6 @@ def done_ids(output: Path) -> set[str]:
     return ids
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, config: DatagenConfig,
                      features_dir: Path | None = None, max_prompt_tokens: int = 1024) -> int:
     """Generate responses for the prompts not yet in `output`; returns how many rows were added."""
@@ -95,43 +92,37 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
         text = output.read_text()
         output.write_text(text[: text.rfind("\n") + 1])
 
-    pending = iter(todo)
     meta: dict[str, tuple[Prompt, float]] = {}
     captured: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     added = 0
     progress = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="datagen", unit="prompt")
 
-    def refill():
-        while len(engine.running) + len(engine.waiting) < config.batch_size:
-            try:
-                index, prompt = next(pending)
-            except StopIteration:
-                return
+    def jobs():
+        for index, prompt in todo:
             ids = encode_chat(target.tokenizer, prompt.messages)
             if len(ids) > max_prompt_tokens:  # too long to be worth its training cost
                 progress.update(1)
                 continue
             temperature = config.temperatures[index % len(config.temperatures)]
-            params = SamplingParams(max_tokens=config.max_tokens, temperature=temperature, seed=config.seed + index)
-            engine.add_request(ids, params, request_id=prompt.prompt_id)
             meta[prompt.prompt_id] = (prompt, temperature)
             captured[prompt.prompt_id] = ([], [])
+            yield Job(ids, SamplingParams(max_tokens=config.max_tokens, temperature=temperature, seed=config.seed + index),
+                      prompt.prompt_id)
 
     with output.open("a") as sink:
-        refill()
-        while engine.has_unfinished():
-            for request in engine.step():
-                if capture:
-                    feats, lses = captured[request.request_id]
-                    feats.append(request.new_features.to(torch.float16))
-                    if len(request.new_logits):
-                        lses.append(torch.logsumexp(request.new_logits.float(), dim=-1))
-                if request.finished:
-                    write_row(sink, request, meta.pop(request.request_id), captured.pop(request.request_id),
-                              features_dir)
-                    added += 1
-                    progress.update(1)
-            refill()
+        def on_output(step: StepOutput) -> None:
+            nonlocal added
+            request = step.request
+            if capture:
+                feats, lses = captured[request.request_id]
+                feats.append(step.features.to(torch.float16))
+                if len(step.logits):
+                    lses.append(torch.logsumexp(step.logits.float(), dim=-1))
+            if request.finished:
+                write_row(sink, request, meta.pop(request.request_id), captured.pop(request.request_id), features_dir)
+                added += 1
+
+        run_in_flight(engine, jobs(), config.batch_size, on_output, progress)
     progress.close()
     return added
 

@@ -16,29 +16,18 @@ import time
 from tqdm import tqdm
 
 from dspark_trt.runtime.engine import Engine
+from dspark_trt.runtime.in_flight import Job, run_in_flight
 from dspark_trt.runtime.llm import LLM
-from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.request import AcceptanceCounts, Request
 from dspark_trt.runtime.sampling import SamplingParams
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], batch_size: int,
                desc: str) -> tuple[list[Request], float]:
     """Generate with at most `batch_size` requests in flight; return requests and seconds."""
-    requests: list[Request] = []
-    pending = iter(zip(prompts, params))
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False)
     start = time.perf_counter()
-    while True:
-        while len(engine.running) + len(engine.waiting) < batch_size:
-            item = next(pending, None)
-            if item is None:
-                break
-            requests.append(engine.add_request(*item))
-        if not engine.has_unfinished():
-            break
-        for request in engine.step():
-            if request.finished:
-                bar.update(1)
+    requests = run_in_flight(engine, (Job(ids, p) for ids, p in zip(prompts, params)), batch_size, progress=bar)
     bar.close()
     return requests, time.perf_counter() - start
 
@@ -47,17 +36,10 @@ def summarise(requests: list[Request], block_size: int) -> dict:
     steps = sum(r.stats.num_steps for r in requests)
     accepted = sum(r.stats.num_accepted_tokens for r in requests)
     drafted = sum(r.stats.num_draft_tokens for r in requests)
-    per_slot = [0] * block_size
-    first_drafted = 0
+    total = AcceptanceCounts()
     for r in requests:
-        for k, count in enumerate(r.stats.accepted_per_position[:block_size]):
-            per_slot[k] += count
-        first_drafted += r.stats.drafted_per_position[0] if r.stats.drafted_per_position else 0
-    conditional = []
-    reached = first_drafted
-    for count in per_slot:
-        conditional.append(count / reached if reached else 0.0)
-        reached = count
+        total.add(r.stats)
+    conditional = total.conditional_acceptance(block_size)
     return {"accept_length": 1.0 + accepted / steps if steps else 1.0, "num_steps": steps,
             "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
             "per_position_acceptance": conditional}
@@ -65,7 +47,7 @@ def summarise(requests: list[Request], block_size: int) -> dict:
 
 def evaluate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], batch_size: int = 1,
              compare_plain: bool = True) -> dict:
-    block_size = getattr(llm.engine.proposer, "block_size", 1)
+    block_size = llm.engine.proposer.block_size if llm.engine.proposer is not None else 1
     speculative, spec_seconds = run_engine(llm.engine, prompts, params, batch_size, "speculative")
     result = summarise(speculative, block_size)
     spec_tokens = sum(len(r.output_token_ids) for r in speculative)

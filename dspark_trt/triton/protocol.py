@@ -127,9 +127,7 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int = 64) -
                                   "bad_words")
 
     max_tokens = _scalar(inputs, "max_tokens")
-    max_tokens = default_max_tokens if max_tokens is None else int(max_tokens)
-    if max_tokens < 1:  # SamplingParams says the same; checked here to name the Triton input
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    max_tokens = default_max_tokens if max_tokens is None else int(max_tokens)  # SamplingParams checks its range
     seed, random_seed = _scalar(inputs, "seed"), _scalar(inputs, "random_seed")
     if seed is not None and random_seed is not None and int(seed) != int(random_seed):
         raise InvalidRequestError("seed and random_seed differ; send one of them", "seed")

@@ -25,7 +25,7 @@ class DeploySettings:
     engine_dir: str = ""  # an engine directory from `dspark-trt build`; else target/drafter/policy
     target: str = ""  # 'default' or a model folder / .gguf file
     drafter: str = ""  # '' (none), 'default' or a drafter checkpoint folder
-    policy: str = ""  # '' = the runtime's default (verify the whole block when there is a drafter)
+    policy: str = ""  # '' = the runtime's default (`auto`: dspark for a DSpark drafter, see verify_policy)
     dtype: str = "float32"
     max_running_requests: int = 32  # requests in one instance's in-flight batch (KV slots)
     max_batch_tokens: int = 2048  # tokens per target step (prefill chunks included)

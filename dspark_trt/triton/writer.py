@@ -32,7 +32,7 @@ def resolve_settings(engine_dir: str | Path | None, target: str | None, drafter:
     if engine_dir is not None and (target is not None or drafter is not None):
         raise DsparkError("give an ENGINE_DIR or --target/--drafter, not both (the engine directory names them)")
     if policy:
-        from dspark_trt.runtime.scheduler import make_policy
+        from dspark_trt.runtime.verify_policy import make_policy
 
         make_policy(policy)  # raises naming the policy
     if engine_dir is not None:

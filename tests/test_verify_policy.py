@@ -12,7 +12,7 @@ from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.sampling import sample, verify_draft
 from dspark_trt.models.drafter_io import save_drafter
 from dspark_trt.models.loading import load_target
-from dspark_trt.runtime.scheduler import (Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1, best_budget,
+from dspark_trt.runtime.verify_policy import (Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1, best_budget,
                                           make_policy, prefix_survival, top_k_budgets)
 from tiny_drafters import make_drafter
 

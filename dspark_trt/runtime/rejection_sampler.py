@@ -1,0 +1,45 @@
+"""The rejection sampler: the step's feeds and the target's logits -> what each request emits.
+
+For a decode feed (anchor + draft `x_1..x_l`, logits at all `l + 1` positions) it runs the
+lossless rule of `sampling.verify_draft`: the accepted draft tokens, then either the
+*recovered* token (resampled from the residual at the first rejection) or, when all `l`
+survive, the *bonus* token (sampled from the target after `x_l`). For the prompt chunk that
+completes a prompt it samples the first output token. A mid-prompt chunk emits nothing.
+
+It decides tokens and nothing else: committing, rolling the KV cache back and stop
+conditions are the engine's postprocess. Each request's own `torch.Generator` drives every
+random choice, so a seeded request samples alike whatever shares its step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark_trt.runtime.sampling import next_token, target_probs, verify_draft
+from dspark_trt.runtime.scheduler import Feed
+
+
+@dataclass
+class Verdict:
+    token_ids: list[int]  # to commit, in order: the accepted drafts, then the recovered or bonus token
+    num_accepted: int  # draft tokens accepted (0 for a prompt chunk)
+
+
+def rejection_sample(feeds: list[Feed], logits: list[torch.Tensor]) -> list[Verdict]:
+    """One `Verdict` per feed; `logits[i]` `[feeds[i].num_logit_rows, vocab]`."""
+    verdicts = []
+    for feed, rows in zip(feeds, logits):
+        request = feed.request
+        if feed.is_prefill:
+            tokens = [next_token(rows[0], request.params, request.generator)] if len(rows) else []
+            verdicts.append(Verdict(tokens, 0))
+            continue
+        draft, greedy = feed.draft, request.params.greedy
+        # Greedy verification reads the argmax only: the logits will do, no point masses built.
+        num_accepted, final_token = verify_draft(draft.tokens, draft.probs,
+                                                 rows if greedy else target_probs(rows, request.params),
+                                                 request.generator, greedy)
+        verdicts.append(Verdict(draft.tokens[:num_accepted] + [final_token], num_accepted))
+    return verdicts

@@ -1,0 +1,279 @@
+"""Verification policies: how many draft tokens each request verifies this step.
+
+Every step the engine drafts a full block for each decoding request (a drafter never runs
+with fewer tokens than its trained block) and then asks the policy for `l_r`, the number of
+draft tokens of request r the target checks. The rest are dropped before the target sees them.
+
+    auto          the default everywhere (`LLM`, `serve`, `Engine`): `dspark` for a drafter with a
+                  confidence head, `all` for one without, `none` without a drafter (`resolve_policy`)
+    none          plain decoding: no drafter runs at all
+    all           verify the whole block
+    fixed:K       l_r = K (MTP-1 is the MTP-1 drafter with fixed:1)
+    threshold:H   verify positions while the prefix survival a_{r,j} = prod_{i<=j} c_{r,i} >= H
+    dspark        Algorithm 1 of the paper: walk all (r, j) by descending a_{r,j}, admit while
+                  expected tokens per second improves, stop at the first non-improvement
+    dspark-lagged the budget K comes from confidences one step old (global search over K, no
+                  early stop, so a jagged latency curve is fully exploited); the K slots then go
+                  to the current top-K prefix survivals
+
+Objective (vLLM's form, which counts the drafter too):
+    expected committed tokens / (drafter seconds(num drafting) + target seconds(batch tokens))
+with the expected tokens `sum_r (1 + sum_{j<=l_r} a_{r,j})` and the batch tokens `sum_r (1 + l_r)`.
+
+Why losslessness survives: whether position j of request r is verified may depend on anything
+but the draft token x_{r,j} itself. `c_{r,j}` looks at x_{r,j-1}, never x_{r,j}. Algorithm 1's early
+stop makes admitting (r, j) depend only on items with a larger survival, i.e. never on
+a_{r,j+1} (which depends on x_{r,j}); searching past a non-improvement would (the paper's
+appendix A; `tests/test_scheduler.py` shows the bias). The lagged budget is fixed before the
+current block exists, and a top-K set is decided by larger values only.
+
+Drafting itself is a choice under load (`should_draft`): with confidences from earlier steps,
+the policy compares the best expected rate with drafting against plain decoding and skips the
+drafter when it does not pay; the drafter then catches up on the context it missed before it
+drafts again (see `DSparkProposer.observe`).
+
+This module is pure Python over floats and decides nothing else: admission and the token
+budget are the scheduler's (`scheduler.py`), tensors and requests the engine's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dspark_trt.errors import InvalidRequestError
+from dspark_trt.runtime.profile import LatencyProfile
+
+POLICY_NAMES = ("auto", "none", "all", "fixed:K", "threshold:H", "dspark", "dspark-lagged")
+DEFAULT_POLICY = "auto"
+
+
+def prefix_survival(confidences: list[float]) -> list[float]:
+    """a_j = prod_{i<=j} c_i: the probability that draft tokens 1..j all survive."""
+    survival, running = [], 1.0
+    for c in confidences:
+        running *= c
+        survival.append(running)
+    return survival
+
+
+@dataclass
+class Costs:
+    """Step-time lookups the objective needs (from a `LatencyProfile`)."""
+
+    profile: LatencyProfile
+
+    def rate(self, expected_tokens: float, batch_tokens: int, num_drafting: int) -> float:
+        seconds = self.profile.target_seconds(batch_tokens) + self.profile.drafter_seconds(num_drafting)
+        return expected_tokens / seconds
+
+
+def algorithm1(survival: list[list[float]], costs: Costs, num_drafting: int,
+               early_stop: bool = True) -> list[int]:
+    """The paper's Algorithm 1: verify budgets `l_r` from prefix survivals `survival[r][j]`.
+
+    Items are walked by descending survival (ties: earlier position first, so a request's
+    positions always come in order); each is admitted while it raises the objective, and the
+    walk stops at the first one that does not. `early_stop=False` instead takes the best prefix
+    of the whole walk (a global search over the *current* survivals): it exists only for the
+    tests that show why that is wrong. It would admit position j because admitting j and j+1
+    together pays, and whether it pays depends on a_{j+1}, i.e. on the sampled token x_j.
+    """
+    if not early_stop:
+        total, _ = best_budget(survival, costs, num_drafting)
+        return top_k_budgets(survival, total)
+    num_requests = len(survival)
+    budgets = [0] * num_requests
+    expected, batch = float(num_requests), num_requests
+    best = costs.rate(expected, batch, num_drafting)
+    for a, j, r in _by_descending_survival(survival):
+        candidate = costs.rate(expected + a, batch + 1, num_drafting)
+        if candidate <= best:
+            break
+        best, expected, batch = candidate, expected + a, batch + 1
+        budgets[r] = j + 1
+    return budgets
+
+
+def _by_descending_survival(survival: list[list[float]]) -> list[tuple[float, int, int]]:
+    """(a, j, r) for every draft position, highest survival first; ties go to the earlier position,
+    so each request's positions come in order (survival never rises along a block)."""
+    return sorted(((a, j, r) for r, row in enumerate(survival) for j, a in enumerate(row)),
+                  key=lambda item: (-item[0], item[1], item[2]))
+
+
+def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) -> tuple[int, float]:
+    """Global search: the total budget K (top-K survivals) with the highest rate, and that rate."""
+    num_requests = len(survival)
+    values = sorted((a for row in survival for a in row), reverse=True)
+    best_k, best_rate = 0, costs.rate(num_requests, num_requests, num_drafting)
+    expected = float(num_requests)
+    for k, a in enumerate(values, start=1):
+        expected += a
+        rate = costs.rate(expected, num_requests + k, num_drafting)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k, best_rate
+
+
+def top_k_budgets(survival: list[list[float]], total: int) -> list[int]:
+    """Give `total` verify slots to the highest prefix survivals (prefix-closed per request)."""
+    budgets = [0] * len(survival)
+    for a, j, r in _by_descending_survival(survival)[:total]:
+        budgets[r] = max(budgets[r], j + 1)
+    return budgets
+
+
+class VerifyPolicy:
+    """Base: verify everything drafted (subclasses narrow it)."""
+
+    name = "all"
+    uses_drafter = True
+    needs_confidence = False
+    needs_profile = False
+
+    def __init__(self):
+        self.costs: Costs | None = None
+
+    def set_profile(self, profile: LatencyProfile | None) -> None:
+        self.costs = Costs(profile) if profile is not None else None
+
+    def should_draft(self, lagged_survival: list[list[float] | None]) -> bool:
+        """Whether the drafter runs this step, from survivals of earlier steps (None = unknown)."""
+        return self.uses_drafter
+
+    def budgets(self, survival: list[list[float]], draft_lengths: list[int], num_drafting: int) -> list[int]:
+        return list(draft_lengths)
+
+
+class NoSpeculation(VerifyPolicy):
+    name = "none"
+    uses_drafter = False
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        return [0] * len(draft_lengths)
+
+
+class FixedPolicy(VerifyPolicy):
+    def __init__(self, num_tokens: int):
+        super().__init__()
+        self.num_tokens = num_tokens
+        self.name = f"fixed:{num_tokens}"
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        return [min(self.num_tokens, n) for n in draft_lengths]
+
+
+class ThresholdPolicy(VerifyPolicy):
+    needs_confidence = True
+
+    def __init__(self, threshold: float):
+        super().__init__()
+        self.threshold = threshold
+        self.name = f"threshold:{threshold:g}"
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        return [min(n, sum(1 for a in row if a >= self.threshold)) for row, n in zip(survival, draft_lengths)]
+
+
+class DSparkPolicy(VerifyPolicy):
+    """Algorithm 1 with its early stop, plus the drafter-cost-aware choice to skip drafting."""
+
+    name = "dspark"
+    needs_confidence = True
+    needs_profile = True
+
+    def __init__(self):
+        super().__init__()
+        # (best total budget, its rate) of the last should_draft, from the survivals it was given
+        self.last_plan: tuple[int, float] | None = None
+
+    def should_draft(self, lagged_survival):
+        self.last_plan = None
+        if self.costs is None:
+            return True
+        known = [row for row in lagged_survival if row]
+        if not lagged_survival:
+            return False
+        if not known:  # nothing drafted yet: try, so there is something to decide from
+            return True
+        fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
+        rows = [row if row else fallback for row in lagged_survival]
+        count = len(rows)
+        self.last_plan = best_budget(rows, self.costs, count)
+        return self.last_plan[1] > self.costs.rate(count, count, 0)  # drafting beats plain decoding
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        if self.costs is None:
+            return list(draft_lengths)
+        rows = [row[:n] for row, n in zip(survival, draft_lengths)]
+        return algorithm1(rows, self.costs, num_drafting)
+
+
+class LaggedDSparkPolicy(DSparkPolicy):
+    """Section 5.2 of the paper: budget from old confidences, slots to current top-K."""
+
+    name = "dspark-lagged"
+
+    def __init__(self):
+        super().__init__()
+        self.lagged_budget = 0
+
+    def should_draft(self, lagged_survival):
+        draft = super().should_draft(lagged_survival)
+        # The budget that pays best given that the drafter runs: also right for a step that drafts
+        # only to refresh survivals (exploration), whose drafter cost is spent either way.
+        self.lagged_budget = -1 if self.last_plan is None else self.last_plan[0]  # -1: verify whole blocks
+        return draft
+
+    def budgets(self, survival, draft_lengths, num_drafting):
+        rows = [row[:n] for row, n in zip(survival, draft_lengths)]
+        if self.lagged_budget < 0:
+            return list(draft_lengths)
+        return top_k_budgets(rows, self.lagged_budget)
+
+
+def resolve_policy(spec: VerifyPolicy | str | None, has_drafter: bool, has_confidence: bool) -> VerifyPolicy:
+    """The one place a policy name becomes a policy: `None` means `DEFAULT_POLICY` (`auto`), and
+    `auto` the best the drafter allows. A policy the drafter cannot serve is an error."""
+    if spec is None:
+        spec = DEFAULT_POLICY
+    if isinstance(spec, str) and spec.strip() == "auto":
+        spec = "dspark" if has_confidence else ("all" if has_drafter else "none")
+    policy = make_policy(spec) if isinstance(spec, str) else spec
+    if policy.uses_drafter and not has_drafter:
+        raise InvalidRequestError(f"policy {policy.name} needs a drafter (give one, or use policy none)", "policy")
+    if policy.needs_confidence and not has_confidence:
+        raise InvalidRequestError(f"policy {policy.name} needs a drafter with a confidence head "
+                                  "(a DSpark drafter); use fixed:K for this one", "policy")
+    return policy
+
+
+def make_policy(spec: str) -> VerifyPolicy:
+    """Parse `none`, `all`, `fixed:K`, `threshold:H`, `dspark` or `dspark-lagged` (not `auto`:
+    that needs the drafter, see `resolve_policy`)."""
+    spec = spec.strip()
+    if spec == "none":
+        return NoSpeculation()
+    if spec == "dspark":
+        return DSparkPolicy()
+    if spec == "dspark-lagged":
+        return LaggedDSparkPolicy()
+    if spec == "all":
+        return VerifyPolicy()
+    name, _, value = spec.partition(":")
+    try:
+        if name == "fixed":
+            num_tokens = int(value)
+            if num_tokens < 0:
+                raise ValueError
+            return FixedPolicy(num_tokens)
+        if name == "threshold":
+            threshold = float(value)
+            if not 0.0 <= threshold <= 1.0 or math.isnan(threshold):
+                raise ValueError
+            return ThresholdPolicy(threshold)
+    except ValueError:
+        raise InvalidRequestError(f"bad policy {spec!r}: fixed:K needs an integer K >= 0, "
+                                  f"threshold:H a number H in [0, 1]", "policy") from None
+    raise InvalidRequestError(f"unknown policy {spec!r}; choose one of {', '.join(POLICY_NAMES)}", "policy")
