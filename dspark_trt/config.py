@@ -1,4 +1,5 @@
-"""Typed, strict build configs: one YAML file per deployment (`configs/*.yaml`).
+"""Typed, strict build configs: one YAML file per deployment (`configs/*.yaml` in the repository,
+bundled in a wheel; `dspark_trt.resources` finds them).
 
 Unknown keys are errors (a typo must not silently fall back to a default), and every error
 names the dotted path of the bad field. `--set key=value` overrides one field by dotted path
@@ -16,9 +17,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dspark_trt import resources
 from dspark_trt.errors import DsparkError
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = resources.locate("configs")  # the named configs ('default', 'tiny')
 
 
 class ConfigError(DsparkError):
@@ -133,6 +135,9 @@ def resolve_config_path(spec: str | Path) -> Path:
     path = Path(spec)
     if path.is_file():
         return path
+    if not CONFIG_DIR.is_dir():
+        raise ConfigError(f"build config {str(spec)!r} is not a file, and "
+                          f"{resources.missing_message('configs', CONFIG_DIR)}")
     named = CONFIG_DIR / f"{spec}.yaml"
     if named.is_file():
         return named

@@ -2,7 +2,8 @@
 
 The checkpoint holds the drafter's own weights and its draft vocabulary; the embedding and LM
 head are the target's and are re-attached at load time, which is also when the target's
-identity is checked.
+identity is checked. `drafter="default"` is the bundled DSpark drafter (`DEFAULT_DRAFTER_DIR`,
+found by `dspark_trt.resources`: the repository's checkpoints/ folder, or a wheel's package data).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_trt import resources
 from dspark_trt.errors import ModelLoadError
 from dspark_trt.models.drafter import DrafterBase, DSparkDrafter
 from dspark_trt.models.drafter_config import DrafterConfig
@@ -21,7 +23,7 @@ from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.loading import LoadedTarget
 
 # Where `drafter="default"` points: the DSpark drafter trained for the embedded default target.
-DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct" / "dspark"
+DEFAULT_DRAFTER_DIR = resources.locate("drafter")
 
 
 def build_drafter(config: DrafterConfig, draft_vocab: torch.Tensor) -> DrafterBase:
@@ -81,8 +83,9 @@ def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
 
     folder = DEFAULT_DRAFTER_DIR if str(spec) == "default" else Path(spec)
     if not folder.is_dir():
-        hint = " (the default drafter ships in the repository's checkpoints/ folder)" if str(spec) == "default" else ""
-        raise ModelLoadError(f"drafter {str(spec)!r} not found: give a drafter checkpoint folder{hint}")
+        if str(spec) == "default":
+            raise ModelLoadError(f"drafter 'default': {resources.missing_message('drafter', folder)}")
+        raise ModelLoadError(f"drafter {str(spec)!r} not found: give a drafter checkpoint folder")
     config = DrafterConfig.load(folder)
     config.check_target(target.name, target.config)
     try:

@@ -1,4 +1,5 @@
-"""Prompt sets for training data and evaluation, from the JSONL files in `data/`.
+"""Prompt sets for training data and evaluation, from the JSONL files in `data/` (bundled in a
+wheel; `dspark_trt.resources` finds them; `$DSPARK_TRT_DATA` names another folder).
 
 Named sets (see `data/SOURCES.md` for origins and licenses):
 
@@ -33,9 +34,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_trt import resources
 from dspark_trt.errors import DsparkError
 
-DATA_DIR = Path(os.environ.get("DSPARK_TRT_DATA", Path(__file__).resolve().parents[2] / "data"))
+DATA_OVERRIDE = os.environ.get("DSPARK_TRT_DATA")  # another folder laid out like data/
+DATA_DIR = Path(DATA_OVERRIDE) if DATA_OVERRIDE else resources.locate("prompts")
 
 TRAINING_SETS = {
     "gsm8k-train": ("gsm8k/train.jsonl", "math"),
@@ -151,6 +154,10 @@ def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
         conversations, domain = stdlib_completion_prompts(), "code"
     elif name in TRAINING_SETS or name in EVALUATION_SETS:
         relative, domain = {**TRAINING_SETS, **EVALUATION_SETS}[name]
+        if not DATA_DIR.is_dir():
+            if DATA_OVERRIDE:
+                raise DsparkError(f"prompt set {name!r}: $DSPARK_TRT_DATA={DATA_DIR} is not a folder")
+            raise DsparkError(f"prompt set {name!r}: {resources.missing_message('prompts', DATA_DIR)}")
         rows = read_jsonl(DATA_DIR / relative)
         convert = humaneval_messages if name == "humaneval" else row_to_messages
         conversations = [convert(row) for row in rows]
