@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import dspark_trt  # noqa: F401  (first: it sets the CPU threading policy before torch loads)
-import numpy as np
 import torch
 import torch.nn.functional as F
 from decode_speed import read_bandwidth_gbs

@@ -226,7 +226,7 @@ class Soak:
 
     def totals(self) -> dict:
         totals = {outcome: 0 for outcome in OUTCOMES}
-        for (action, outcome), count in self.counts.items():
+        for (_action, outcome), count in self.counts.items():
             if outcome in totals:
                 totals[outcome] += count
         return totals

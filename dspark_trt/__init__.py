@@ -8,7 +8,7 @@
 
 __version__ = "0.1.0"
 
-from dspark_trt.thread_env import TORCH_IMPORTED_FIRST  # first: before anything imports torch
+from dspark_trt.thread_env import TORCH_IMPORTED_FIRST  # noqa: F401 (first: before anything imports torch)
 from dspark_trt.errors import DsparkError, InvalidRequestError, ModelLoadError
 from dspark_trt.runtime.sampling import SamplingParams
 from dspark_trt.runtime.llm import LLM, RequestOutput

@@ -283,7 +283,6 @@ def test_the_drafter_context_in_one_c_call_matches_its_pytorch_layers(tiny_llama
     fp32 rounding, for several requests with different context lengths in one call."""
     target = load_target(tiny_llama, torch.bfloat16)
     drafter = make_drafter(target, num_layers=2).use_bf16_weights()
-    generator = torch.Generator().manual_seed(2)
     width = len(drafter.config.feature_layers) * target.config.hidden_size
     pools = []
     for run in ("torch", "kernel"):

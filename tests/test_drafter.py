@@ -154,7 +154,8 @@ def test_loss_terms_on_a_hand_checked_case(target):
     ce = (-math.log(0.25) + 0.0) / 2
     assert math.isclose(terms.ce, ce, abs_tol=1e-4)
     c1, c2 = 1 - 0.5 * l1_1, 1 - 0.5 * l1_2
-    bce = lambda z, y: -(y * math.log(1 / (1 + math.exp(-z))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-z))))
+    def bce(z, y):
+        return -(y * math.log(1 / (1 + math.exp(-z))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-z))))
     assert math.isclose(terms.bce, (bce(0.0, c1) + bce(2.0, c2)) / 2, rel_tol=1e-4)
     assert terms.acceptance_per_position == pytest.approx([c1, c2], rel=1e-4)
     assert math.isclose(float(terms.total), 0.1 * terms.ce + 0.9 * terms.l1 + terms.bce, rel_tol=1e-5)

@@ -75,7 +75,8 @@ def test_a_template_that_refuses_the_messages_is_an_invalid_request(llm, monkeyp
     assert error.value.param == "messages"
 
 
-@pytest.mark.parametrize("prompt, message", [("", "empty"), ([], "prompt is empty"), (None, "must be a string"), ([-1, 5], "token ids must be")])
+@pytest.mark.parametrize("prompt, message", [("", "empty"), ([], "prompt is empty"), (None, "must be a string"),
+                                             ([-1, 5], "token ids must be")])
 def test_bad_prompts(llm, prompt, message):
     with pytest.raises(InvalidRequestError, match=message):
         llm.generate([prompt], SamplingParams(max_tokens=3))

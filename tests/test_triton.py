@@ -51,7 +51,8 @@ def test_config_pbtxt_parses_as_tritons_model_config():
     config = text_format.Parse(text, model_config_pb2.ModelConfig())
     assert config.backend == "python" and config.max_batch_size == 1
     assert config.model_transaction_policy.decoupled
-    assert config.instance_group[0].count == 3 and config.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    group = config.instance_group[0]
+    assert group.count == 3 and group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
     inputs = {i.name: i for i in config.input}
     # TensorRT-LLM's names and types, so its clients work unchanged
     expected = {"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "stream": "TYPE_BOOL",

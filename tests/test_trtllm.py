@@ -92,7 +92,7 @@ def test_cost_table_follows_sps_cost_table_rules(written):
     assert table["fixed_overhead_ms"] >= 0 and table["_meta"]["lookup"] == "interp"
     assert len(set(theta)) > 1  # not the "unprofiled" flat table
     # bias + theta reproduces the measured step at every point (decomposed encoding)
-    for m, t, measured in zip(counts, theta, [10, 11, 12, 16, 30]):
+    for _, t, measured in zip(counts, theta, [10, 11, 12, 16, 30]):
         assert abs(table["fixed_overhead_ms"] + t - measured) < 1e-3
     assert table["batch_sizes"] == [1, 2, 4] and table["batch_overhead_ms"] == [2.0, 3.0, 5.0]
 

@@ -37,7 +37,7 @@ def draft_logits(drafter, batch):
     return (logits if bias is None else logits + bias), confidence
 
 losses.draft_logits = draft_logits
-from dspark_trt.cli import main
+from dspark_trt.cli import main  # noqa: E402 (after the patch above, which it must see)
 
 main(["train", "--kind", "dspark", "--data", "data/train/smollm2-135m-instruct.jsonl", "--features-dir", "runs/features",
       "--output", sys.argv[1], "--steps", "800", "--stop-at", "200", "--batch-size", "4", "--anchors", "32", "--lr", "1e-3"],

@@ -357,7 +357,8 @@ class FusedDecoder:
         features = torch.empty(tokens, len(feature_layers) * shape.hidden) if feature_layers else None
         call = _DecoderCall(tokens, slots.data_ptr(), positions.data_ptr(),
                             None if visible is None else visible.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                            *_pool_strides(keys), rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(), len(feature_layers),
+                            *_pool_strides(keys), rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(),
+                            len(feature_layers),
                             None if features is None else features.data_ptr(),
                             None if rows is None else rows.data_ptr(), num_logits, logits.data_ptr())
         if tokens and _library.dspark_decoder_forward(ctypes.byref(self._model), x.data_ptr(), ctypes.byref(call)):

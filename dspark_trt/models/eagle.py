@@ -17,7 +17,6 @@ Training-time test in one picture, for an anchor a (the pending token's position
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from dspark_trt.models.drafter import DraftLayer, DrafterBase, RMSNorm, rope_tables
 from dspark_trt.models.linear import DraftLinear

@@ -137,7 +137,8 @@ class LLM:
         if isinstance(prompt, list):  # chat messages
             return self.encode_chat(prompt)
         if not isinstance(prompt, str):
-            raise InvalidRequestError(f"a prompt must be a string, token ids or chat messages, got {type(prompt).__name__}", "prompt")
+            raise InvalidRequestError(f"a prompt must be a string, token ids or chat messages, got {type(prompt).__name__}",
+                                      "prompt")
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if chat:

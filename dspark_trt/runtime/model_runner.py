@@ -27,7 +27,7 @@ from dspark_trt.runtime.scheduler import Feed
 @dataclass
 class RunnerOutput:
     logits: list[torch.Tensor]  # per feed: [num_logit_rows, vocab]
-    features: list[torch.Tensor | None]  # per feed: [len(token_ids), num_feature_layers * hidden], None without feature layers
+    features: list[torch.Tensor | None]  # per feed: [len(token_ids), num_feature_layers * hidden]; None: no feature layers
 
 
 class ModelRunner:

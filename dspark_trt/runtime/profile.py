@@ -107,7 +107,8 @@ class LatencyProfile:
     def to_json(self) -> dict:
         return {"backend": self.backend, "device": self.device,
                 "target": {"batch_tokens": list(self.target_batch_tokens), "step_seconds": list(self.target_step_seconds)},
-                "drafter": {"num_requests": list(self.drafter_num_requests), "step_seconds": list(self.drafter_step_seconds)}}
+                "drafter": {"num_requests": list(self.drafter_num_requests),
+                            "step_seconds": list(self.drafter_step_seconds)}}
 
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -129,7 +130,8 @@ class LatencyProfile:
         missing = [k for k in ("backend", "device", "target") if k not in data]
         unknown = sorted(set(data) - set(PROFILE_FORMAT_KEYS))
         if missing or unknown:
-            raise DsparkError(f"latency profile {path}: " + (f"missing keys {missing}" if missing else f"unknown keys {unknown}"))
+            problem = f"missing keys {missing}" if missing else f"unknown keys {unknown}"
+            raise DsparkError(f"latency profile {path}: {problem}")
         try:
             drafter = data.get("drafter") or {}
             return cls(backend=str(data["backend"]), device=str(data["device"]),
@@ -176,7 +178,7 @@ def measure_target_curve(target, batch_tokens: list[int], context_length: int = 
         ids = torch.randint(0, config.vocab_size, (size,), generator=generator)
         logits_at = torch.arange(size)
 
-        def step():
+        def step(ids=ids, lengths=lengths, used=used, logits_at=logits_at):  # this size's batch
             model(ids, lengths, used, logits_at, ()).logits.cpu()  # what the engine does: GPU rows come back
             for cache in used:
                 cache.truncate(context_length)
@@ -220,7 +222,7 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
             proposer.propose(batch)
 
         for count in num_requests:
-            seconds.append(_best_seconds(lambda: step(requests[:count]), repeats))
+            seconds.append(_best_seconds(lambda: step(requests[:count]), repeats))  # noqa: B023 (timed now)
             if progress is not None:
                 progress(f"drafter n={count}: {seconds[-1] * 1e3:.1f} ms")
     finally:

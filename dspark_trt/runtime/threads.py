@@ -1,6 +1,7 @@
 """Keep PyTorch's OpenMP threads from fighting numpy's BLAS threads on CPU.
 
-`dspark_trt/thread_env.py` (imported first by the package root) sets `OMP_WAIT_POLICY=PASSIVE` before torch loads. When the user
+`dspark_trt/thread_env.py` (imported first by the package root) sets `OMP_WAIT_POLICY=PASSIVE`
+before torch loads. When the user
 imported torch first, that is too late, and the only safe choice left is to give PyTorch a
 single thread (its own ops in the CPU runtime are small; the big matmuls run on OpenBLAS).
 """

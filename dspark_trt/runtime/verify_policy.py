@@ -119,7 +119,7 @@ def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) ->
 def top_k_budgets(survival: list[list[float]], total: int) -> list[int]:
     """Give `total` verify slots to the highest prefix survivals (prefix-closed per request)."""
     budgets = [0] * len(survival)
-    for a, j, r in _by_descending_survival(survival)[:total]:
+    for _, j, r in _by_descending_survival(survival)[:total]:
         budgets[r] = max(budgets[r], j + 1)
     return budgets
 

@@ -32,8 +32,8 @@ def load_llm(engine_dir: Path | None, target: str, drafter: str | None, policy: 
     if engine_dir is not None:  # dtype auto: what the directory was built with
         return LLM(engine_dir=engine_dir, policy=policy, max_batch_size=max_batch_size,
                    max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
-    return LLM(target=target, drafter=resolve_drafter(target, drafter), policy=policy, profile=profile, max_batch_size=max_batch_size,
-               max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
+    return LLM(target=target, drafter=resolve_drafter(target, drafter), policy=policy, profile=profile,
+               max_batch_size=max_batch_size, max_model_len=max_model_len, batch_invariant=batch_invariant, dtype=dtype)
 
 
 def runtime_options(command):

@@ -73,7 +73,7 @@ def decode_body(raw: bytes) -> Any:
         raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
         if "integer string conversion" in str(e):
-            raise InvalidRequestError(f"an integer literal has more than {sys.get_int_max_str_digits()} digits")
+            raise InvalidRequestError(f"an integer literal has more than {sys.get_int_max_str_digits()} digits") from None
         raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
     # Strict UTF-8 holds no surrogates, so a lone one can only come from a \uXXXX escape.
     check_json_value(value, surrogates=_ESCAPED_SURROGATE.search(text) is not None)
