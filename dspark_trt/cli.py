@@ -180,35 +180,55 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
               help="Loss weight of draft slot k is exp(-(k-1)/DECAY): smaller puts more weight on early slots.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the final drafter here in fp16 with a model card (what gets committed).")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+              help="Training matmuls: bf16 (autocast, fp32 master weights and optimizer state) or fp32; auto = bf16 "
+                   "where the CPU has AVX-512 BF16 or the GPU supports it.")
+@click.option("--features-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              show_default=True,
+              help="Weight dtype of the target that computes missing features: use the one you serve in (auto: "
+                   "the serving default, bfloat16 where our CPU kernels run).")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Steps between checkpoints (weights, optimizer, samplers: a stopped run resumes from the last).")
 @device_option("to train and compute missing features")
 def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
-          steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, device):
+          steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, precision, features_dtype,
+          checkpoint_every, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import ensure_features, load_sequences, read_rows
-    from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, drafter_config_for, is_held_out, train_drafter
+    import torch
+
+    from dspark_trt.models.linear import resolve_dtype
+    from dspark_trt.training.trainer import (TrainConfig, build_draft_vocab, drafter_config_for, is_held_out,
+                                             resolve_precision, train_drafter)
 
     device = parse_device(device)
-    loaded = load_target(target)
+    loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
     rows = [r for r in read_rows(data_path) if not is_held_out(r["id"])]
     if not rows:
         raise click.BadParameter(f"{data_path} has no training rows", param_hint="--data")
-    ensure_features(loaded, rows, features_dir, layers)
-    sequences = load_sequences(rows, features_dir)
+    feature_dtype = resolve_dtype(features_dtype, device)
+    if feature_dtype == torch.float32:
+        ensure_features(loaded, rows, features_dir, layers)
+    else:  # the serving dtype's target computes them (its fused bf16 pass on the CPU)
+        serving = load_target(target, feature_dtype)
+        serving.model.to(device)
+        ensure_features(serving, rows, features_dir, layers)
+        del serving
+    sequences = load_sequences(rows, features_dir, lazy=len(rows) > 4000)
     config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
                                 draft_vocab=draft_vocab)
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
-                               learning_rate=lr, seed=seed, slot_decay=slot_decay)
+                               learning_rate=lr, seed=seed, slot_decay=slot_decay, checkpoint_every=checkpoint_every,
+                               precision=resolve_precision(precision, device))
     drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
     if export_dir:
-        import torch
-
         from dspark_trt.models.drafter_io import save_drafter
         from dspark_trt.training.trainer import model_card
 

@@ -11,6 +11,7 @@ from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
 from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
+from dspark_trt.training.run_state import run_progress
 from dspark_trt.training.datagen import DatagenConfig, generate_dataset
 from dspark_trt.training.losses import drafter_loss, draft_logits, slot_weights
 from dspark_trt.training.prompts import load_prompts
@@ -192,7 +193,7 @@ def test_training_resumes_from_its_checkpoint(target, dataset, tmp_path):
     train_drafter(target, sequences, config, vocab, TrainConfig(steps=20, checkpoint_every=10, sequences_per_batch=2,
                                                                 anchors_per_sequence=4), tmp_path / "a", progress=False,
                   stop_at=10)  # "interrupted" half way
-    assert torch.load(tmp_path / "a" / "training_state.pt", weights_only=False)["step"] == 10
+    assert run_progress(tmp_path / "a")["step"] == 10
     train_drafter(target, sequences, config, vocab, TrainConfig(steps=20, checkpoint_every=10, sequences_per_batch=2,
                                                                 anchors_per_sequence=4), tmp_path / "a", progress=False)
     straight = train_drafter(target, sequences, config, vocab,

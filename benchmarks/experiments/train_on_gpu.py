@@ -45,9 +45,8 @@ def wait_or_kill(process: subprocess.Popen, deadline: float) -> None:
 
 def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], args) -> dict[str, float]:
     """Seconds per training step of each kind alone: 10 steps timed after 3 warm-up steps."""
-    import torch
-
     from dspark_trt.training.data import load_sequences
+    from dspark_trt.training.run_state import run_progress
     from dspark_trt.training.trainer import (
         TrainConfig,
         build_draft_vocab,
@@ -66,10 +65,10 @@ def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], ar
             drafter_config = drafter_config_for(kind, target, layers)
             train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=3,
                           device=args.device)
-            warm = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
+            warm = run_progress(run)["elapsed"]
             train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=13,
                           device=args.device)
-            done = torch.load(run / "training_state.pt", map_location="cpu", weights_only=False)["elapsed"]
+            done = run_progress(run)["elapsed"]
             probe[kind] = (done - warm) / 10
             print(f"probe {kind}: {probe[kind] * 1000:.0f} ms/step", flush=True)
     return probe
@@ -106,6 +105,7 @@ def main() -> int:
     # isort: split
     import numpy as np
     import torch
+    from dspark_trt.training.run_state import run_progress
 
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
@@ -185,17 +185,15 @@ def main() -> int:
             wait_or_kill(process, deadline)
         exports = []  # stopped runs: export what their last checkpoint holds, side by side
         for kind, (process, command, log) in processes.items():
-            state_path = args.runs / kind / "training_state.pt"
-            if process.returncode != 0 and state_path.is_file():
-                step = torch.load(state_path, map_location="cpu", weights_only=False)["step"]
+            step = run_progress(args.runs / kind).get("step")
+            if process.returncode != 0 and step:
                 exports.append(subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
                                                 stderr=subprocess.STDOUT))
         for process in exports:
             wait_or_kill(process, wall_deadline)
     runs = {}
     for kind, (process, _, _) in processes.items():
-        state_path = args.runs / kind / "training_state.pt"
-        state = torch.load(state_path, map_location="cpu", weights_only=False) if state_path.is_file() else {}
+        state = run_progress(args.runs / kind)
         runs[kind] = {"returncode": process.returncode, "steps": state.get("step", 0),
                       "train_minutes": round(state.get("elapsed", 0.0) / 60, 2),
                       "exported": (args.export_dir / kind / "model.safetensors").is_file()}

@@ -25,13 +25,26 @@ from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.datagen import feature_file
 
 
-@dataclass
 class Sequence:
-    row_id: str
-    token_ids: torch.Tensor  # [T] prompt + response
-    prompt_length: int  # P
-    features: torch.Tensor  # [T-1, (m+1) * d] fp16
-    logsumexp: torch.Tensor  # [T-P] fp32: normaliser at positions P-1 .. T-2
+    """One training row: tokens, prompt length, target features and logit normalisers.
+
+    `features` `[T-1, (m+1) * d]` fp16 may be given as the cache file it lives in: it is then
+    read on each access (a training step reads its few sequences; the whole cache of a large
+    dataset, ~6 KB per token, would not fit in memory)."""
+
+    def __init__(self, row_id: str, token_ids: torch.Tensor, prompt_length: int, features: torch.Tensor | Path,
+                 logsumexp: torch.Tensor):
+        self.row_id = row_id
+        self.token_ids = token_ids  # [T] prompt + response
+        self.prompt_length = prompt_length  # P
+        self._features = features
+        self.logsumexp = logsumexp  # [T-P] fp32: normaliser at positions P-1 .. T-2
+
+    @property
+    def features(self) -> torch.Tensor:
+        if isinstance(self._features, Path):
+            return torch.from_numpy(np.load(self._features)["features"])
+        return self._features
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -46,12 +59,31 @@ def read_rows(path: Path) -> list[dict]:
     return [r for r in rows if len(r["response_ids"]) >= 2]
 
 
+def check_feature_cache(features_dir: Path, target: LoadedTarget, feature_layers: tuple[int, ...]) -> None:
+    """A cache holds the features of one target, weight dtype and layer set (`manifest.json`):
+    mixing two would train a drafter on features it never sees when serving."""
+    features_dir.mkdir(parents=True, exist_ok=True)
+    wanted = {"target": target.name, "dtype": str(getattr(target.model, "weight_dtype", torch.float32)).split(".")[-1],
+              "layers": list(feature_layers)}
+    manifest = features_dir / "manifest.json"
+    if manifest.is_file():
+        found = json.loads(manifest.read_text())
+        if found != wanted:
+            raise DsparkError(f"feature cache {features_dir} holds {found}, not {wanted}: use another --features-dir")
+    elif any(features_dir.glob("*.npz")):  # a cache from before manifests: fp32 features of these layers
+        manifest.write_text(json.dumps({**wanted, "dtype": "float32"}))
+        check_feature_cache(features_dir, target, feature_layers)
+    else:
+        manifest.write_text(json.dumps(wanted))
+
+
 @torch.inference_mode()
 def ensure_features(target: LoadedTarget, rows: list[dict], features_dir: Path, feature_layers: tuple[int, ...],
                     max_batch_tokens: int = 2048) -> None:
     """Compute and cache the features of rows that have none (one target pass per row, on the
-    device the target's weights are on)."""
-    features_dir.mkdir(parents=True, exist_ok=True)
+    device the target's weights are on, in the target's weight dtype: the serving one, so the
+    drafter learns the features it will be given)."""
+    check_feature_cache(features_dir, target, feature_layers)
     missing = [r for r in rows if not feature_file(features_dir, r["id"]).is_file()]
     if not missing:
         return
@@ -70,12 +102,15 @@ def ensure_features(target: LoadedTarget, rows: list[dict], features_dir: Path, 
                  logsumexp=torch.logsumexp(out.logits.float(), dim=-1).cpu().numpy())
 
 
-def load_sequences(rows: list[dict], features_dir: Path) -> list[Sequence]:
+def load_sequences(rows: list[dict], features_dir: Path, lazy: bool = False) -> list[Sequence]:
+    """The rows with their cached features (`lazy`: features read from the cache on each use)."""
     sequences = []
-    for row in rows:
-        data = np.load(feature_file(features_dir, row["id"]))
+    for row in tqdm(rows, desc="loading features", unit="row", disable=len(rows) < 2000):
+        path = feature_file(features_dir, row["id"])
+        data = np.load(path)
         tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
-        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]), torch.from_numpy(data["features"]),
+        features = path if lazy else torch.from_numpy(data["features"])
+        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]), features,
                                   torch.from_numpy(data["logsumexp"]).float()))
     return sequences
 
@@ -117,7 +152,8 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
     """
     S, A, G = len(sequences), num_anchors, block_size
     Q = A * G
-    C = max(s.features.shape[0] for s in sequences)
+    features = [s.features for s in sequences]  # read once each (a lazy sequence reads its cache file)
+    C = max(f.shape[0] for f in features)
     feature_width = num_feature_layers * hidden_size
     context = torch.zeros(S, C, feature_width, dtype=torch.float16)
     anchor_tokens = torch.zeros(S, A, dtype=torch.long)
@@ -131,9 +167,9 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
     tokens = torch.zeros(S, C + 1, dtype=torch.long)
     slots = torch.arange(G)
     own_block = torch.block_diag(*[torch.ones(G, G, dtype=torch.bool)] * A)  # [Q, Q]: each block sees itself
-    for s, seq in enumerate(sequences):
+    for s, (seq, seq_features) in enumerate(zip(sequences, features)):
         T = seq.token_ids.numel()
-        context[s, : seq.features.shape[0]] = seq.features[:, :feature_width]
+        context[s, : seq_features.shape[0]] = seq_features[:, :feature_width]
         tokens[s, :T] = seq.token_ids
         anchors = sample_anchors(seq, A, generator)  # [n] (n < A for short responses)
         n = anchors.numel()
@@ -149,7 +185,7 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
         previous[s, :n] = seq.token_ids[(targets - 1).clamp(max=T - 1)]
         anchor_tokens[s, :n] = seq.token_ids[anchors]
         logit_positions = (targets - 1).clamp(max=T - 2)  # logits at p + k - 1 predict p + k
-        target_hidden[s, :n] = seq.features[logit_positions, feature_width:].float()
+        target_hidden[s, :n] = seq_features[logit_positions, feature_width:].float()
         target_lse[s, :n] = seq.logsumexp[logit_positions - (seq.prompt_length - 1)]
         # Padding anchors (short responses): attend to one context position so no row is empty.
         mask[s, n * G :, 0] = True

@@ -83,7 +83,9 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
     capture = features_dir is not None
     layers = (*config.feature_layers, target.config.num_layers - 1) if capture else ()
     if capture:
-        features_dir.mkdir(parents=True, exist_ok=True)
+        from dspark_trt.training.data import check_feature_cache  # data.py reads what this module writes
+
+        check_feature_cache(features_dir, target, tuple(config.feature_layers))
     engine = Engine(target, max_batch_size=config.batch_size, max_model_len=max_prompt_tokens + config.max_tokens + 1,
                     feature_layers=layers)
 

@@ -6,9 +6,17 @@
         AdamW step (lr warm-up then cosine decay, gradient clip 1.0, no weight decay)
         every `checkpoint_every` steps: save weights + optimizer + RNG state atomically
 
+Precision: `bf16` runs the forward and backward passes under autocast (matmuls in bf16 through
+oneDNN on a CPU with AVX-512 BF16, or on a GPU; weights, optimizer state and the loss's
+reductions stay fp32: the master weights are the fp32 parameters); `fp32` runs everything in
+fp32. `auto` picks bf16 where the hardware has it. Throughput is reported in blocks/s (one
+block = one anchor's gamma draft slots; the target features of a sequence are shared by all
+its anchors).
+
 The target is frozen and never runs here: its features come from the cache (`data.py`).
-A run folder holds `config.json` + `model.safetensors` (the drafter, loadable at any time),
-`training_state.pt` (what resuming needs) and `train_log.jsonl` (one line per logged step).
+A run folder holds `drafter/` (`config.json` + `model.safetensors`, loadable at any time),
+`state/` (what resuming needs, in files small enough to commit: `run_state.py`) and
+`train_log.jsonl` (one line per logged step).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from dspark_trt.models.drafter_io import build_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
+from dspark_trt.training.run_state import (load_run_state, optimizer_from_files, optimizer_to_files, run_progress,
+                                           save_run_state)
 
 
 @dataclass
@@ -48,6 +58,26 @@ class TrainConfig:
     log_every: int = 20
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
     slot_decay: float = SLOT_DECAY  # L1 weight of slot k: exp(-(k-1)/slot_decay)
+    precision: str = "fp32"  # "bf16": autocast matmuls to bf16 (fp32 master weights); see resolve_precision
+
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """`auto` -> `bf16` where the hardware runs bf16 matmuls natively (a CPU with AVX-512 BF16, or a
+    GPU that supports bf16), else `fp32`."""
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if " avx512_bf16" in flags else "fp32"
 
 
 def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[int, ...], head: str | None = None,
@@ -124,8 +154,10 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     worker thread, so the GPU does not wait for them."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    state_path = run_dir / "training_state.pt"
+    legacy_state = run_dir / "training_state.pt"  # runs from before `state/`
     device = torch.device(device)
+    if config.precision not in ("bf16", "fp32"):
+        raise ValueError(f"TrainConfig.precision must be bf16 or fp32 (resolve_precision), got {config.precision!r}")
     torch.manual_seed(config.seed)
     target.model.to(device)
     drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
@@ -134,11 +166,21 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     drafter.to(device)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
                                   weight_decay=0.0)
-    start_step, elapsed = 0, 0.0
+    start_step, elapsed, num_blocks = 0, 0.0, 0
     generator = torch.Generator().manual_seed(config.seed)
     rng = random.Random(config.seed)
-    if state_path.is_file():  # resume
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+    saved = load_run_state(run_dir)
+    if saved is not None:  # resume
+        meta, tensors = saved
+        drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
+        optimizer.load_state_dict(optimizer_from_files(meta["optimizer"], tensors))
+        start_step, elapsed, num_blocks = meta["step"], meta["elapsed"], meta.get("num_blocks", 0)
+        _warn_on_recipe_change(meta.get("train_config", {}), config)
+        generator.set_state(tensors["sampler.generator"])
+        version, internal, gauss = meta["rng"]
+        rng.setstate((version, tuple(internal), gauss))
+    elif legacy_state.is_file():
+        state = torch.load(legacy_state, map_location="cpu", weights_only=False)
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         start_step, elapsed = state["step"], state["elapsed"]
@@ -156,11 +198,13 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
 
     def checkpoint(step: int, sampler_state: tuple):
         rng_state, generator_state = sampler_state
-        torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "elapsed": elapsed, "generator": generator_state, "rng": rng_state,
-                    "train_config": asdict(config), "device": device_description(device)},
-                   state_path.with_suffix(".tmp"))
-        state_path.with_suffix(".tmp").replace(state_path)
+        groups, moments = optimizer_to_files(optimizer.state_dict())
+        meta = {"step": step, "elapsed": elapsed, "num_blocks": num_blocks, "rng": rng_state, "optimizer": groups,
+                "train_config": asdict(config), "device": device_description(device)}
+        tensors = {**{f"drafter.{k}": v for k, v in drafter.state_dict().items()}, **moments,
+                   "sampler.generator": generator_state}
+        save_run_state(run_dir, meta, tensors)
+        legacy_state.unlink(missing_ok=True)  # superseded by state/
         save_drafter(drafter, run_dir / "drafter")
 
     drafter.train()
@@ -177,19 +221,26 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
                 group["lr"] = learning_rate(step, config)
             batch, *sampler_state = pending.result()
             pending = prefetcher.submit(next_batch) if step + 1 < end_step else None
-            terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
+                terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay)
             optimizer.zero_grad(set_to_none=True)
             terms.total.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
             optimizer.step()
-            elapsed += time.perf_counter() - began
+            seconds = time.perf_counter() - began
+            elapsed += seconds
+            step_blocks = int(batch.valid[..., 0].sum())  # anchors with a supervised first slot
+            num_blocks += step_blocks
             bar.update(1)
-            bar.set_postfix(loss=f"{float(terms.total.detach()):.3f}", acc1=f"{terms.acceptance_per_position[0]:.2f}")
+            bar.set_postfix(loss=f"{float(terms.total.detach()):.3f}", acc1=f"{terms.acceptance_per_position[0]:.2f}",
+                            blocks_s=f"{step_blocks / seconds:.0f}")
             if (step + 1) % config.log_every == 0 or step == start_step:
                 log.write(json.dumps({"step": step + 1, "loss": float(terms.total.detach()), "ce": terms.ce, "l1": terms.l1,
                                       "bce": terms.bce, "grad_norm": float(grad_norm), "lr": learning_rate(step, config),
                                       "acceptance_per_position": terms.acceptance_per_position,
-                                      "elapsed_s": elapsed}) + "\n")
+                                      "elapsed_s": elapsed, "num_blocks": num_blocks,
+                                      "blocks_per_s": num_blocks / elapsed if elapsed else 0.0,
+                                      "precision": config.precision}) + "\n")
                 log.flush()
             if (step + 1) % config.checkpoint_every == 0 or step + 1 in (config.steps, stop_at):
                 checkpoint(step + 1, sampler_state)
@@ -200,7 +251,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
 def model_card(drafter: DrafterBase, data_path: Path, sequences: list[Sequence], config: TrainConfig,
                run_dir: Path) -> str:
     """A short markdown card: what the drafter is, what it was trained on, for how long."""
-    state = torch.load(Path(run_dir) / "training_state.pt", map_location="cpu", weights_only=False)
+    state = run_progress(run_dir)
     log = [json.loads(line) for line in (Path(run_dir) / "train_log.jsonl").read_text().splitlines()]
     last = log[-1] if log else {}
     c = drafter.config
@@ -208,6 +259,10 @@ def model_card(drafter: DrafterBase, data_path: Path, sequences: list[Sequence],
     response_tokens = sum(s.token_ids.numel() - s.prompt_length for s in sequences)
     acceptance = ", ".join(f"{a:.2f}" for a in last.get("acceptance_per_position", []))
     schedule = f" (of a {config.steps}-step schedule, stopped early)" if state["step"] < config.steps else ""
+    blocks = state.get("num_blocks", 0)
+    precision = state.get("train_config", {}).get("precision", "fp32")
+    throughput = (f", {blocks:,} blocks ({blocks / state['elapsed']:.0f} blocks/s, {precision})"
+                  if blocks and state["elapsed"] else "")
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
     return f"""# {c.kind} drafter for {c.target_name}
@@ -221,7 +276,7 @@ def model_card(drafter: DrafterBase, data_path: Path, sequences: list[Sequence],
 anchors,
   AdamW lr {config.learning_rate} (warm-up {config.warmup_fraction:.0%}, cosine), clip {config.grad_clip},
   {loss},
-  {state["elapsed"] / 60:.1f} min on {state.get("device", "this machine's CPU")}.
+  {state["elapsed"] / 60:.1f} min on {state.get("device", "this machine's CPU")}{throughput}.
 - last logged loss {last.get("loss", float("nan")):.3f}; teacher-forced acceptance per position: {acceptance}.
 - calibration (STS temperatures): {c.confidence_temperatures or "not calibrated"}.
 """

@@ -1,0 +1,109 @@
+"""Training at scale on the CPU: bf16 autocast learns, checkpoints come in commit-sized shards and
+resume exactly, features are read lazily from their cache, and a cache refuses features of
+another dtype."""
+
+import json
+
+import pytest
+import torch
+from tiny_drafters import FEATURE_LAYERS
+
+from dspark_trt import DsparkError
+from dspark_trt.models.drafter_config import DrafterConfig
+from dspark_trt.models.drafter_io import load_drafter
+from dspark_trt.models.loading import load_target
+from dspark_trt.training import run_state
+from dspark_trt.training.data import check_feature_cache, load_sequences, make_batch, read_rows
+from dspark_trt.training.datagen import DatagenConfig, generate_dataset
+from dspark_trt.training.prompts import load_prompts
+from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, resolve_precision, train_drafter
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return load_target(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def dataset(target, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    generate_dataset(target, load_prompts("gsm8k-train", 6), folder / "rows.jsonl",
+                     DatagenConfig(max_tokens=24, batch_size=6, feature_layers=FEATURE_LAYERS), folder / "features")
+    rows = read_rows(folder / "rows.jsonl")
+    return rows, folder / "features"
+
+
+def drafter_config(target):
+    return DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, num_layers=1, markov_rank=16,
+                                    block_size=4, draft_vocab_size=1024)
+
+
+def test_bf16_autocast_training_learns_and_reports_blocks_per_second(target, dataset, tmp_path):
+    rows, features_dir = dataset
+    sequences = load_sequences(rows[:2], features_dir)
+    vocab = build_draft_vocab(rows, 1024, target.config.vocab_size, set(target.eos_token_ids))
+    config = TrainConfig(steps=60, sequences_per_batch=2, anchors_per_sequence=8, learning_rate=3e-3,
+                         checkpoint_every=30, log_every=1, precision="bf16")
+    train_drafter(target, sequences, drafter_config(target), vocab, config, tmp_path / "run", progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    first, last = sum(r["loss"] for r in log[:5]) / 5, sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert all(r["precision"] == "bf16" for r in log)
+    assert log[-1]["num_blocks"] == sum(int(min(8, len(s.token_ids) - s.prompt_length)) for s in sequences) * 60
+    assert log[-1]["blocks_per_s"] > 0
+    # The master weights stay fp32 (autocast only rounds the matmuls' inputs).
+    assert all(p.dtype == torch.float32 for p in load_drafter(tmp_path / "run" / "drafter", target).parameters())
+
+
+def test_checkpoints_are_shards_under_the_limit_and_resume_exactly(target, dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_state, "MAX_SHARD_BYTES", 256 * 1024)  # force many shards on a tiny drafter
+    rows, features_dir = dataset
+    sequences = load_sequences(rows, features_dir)
+    vocab = build_draft_vocab(rows, 1024, target.config.vocab_size, set())
+
+    def recipe():
+        return TrainConfig(steps=12, checkpoint_every=4, sequences_per_batch=2, anchors_per_sequence=4,
+                           precision="bf16")
+
+    train_drafter(target, sequences, drafter_config(target), vocab, recipe(), tmp_path / "a", progress=False,
+                  stop_at=8)
+    shards = sorted((tmp_path / "a" / "state").glob("tensors-*.safetensors"))
+    assert len(shards) > 1
+    meta, tensors = run_state.load_run_state(tmp_path / "a")
+    largest = max(t.numel() * t.element_size() for t in tensors.values())
+    assert all(s.stat().st_size <= max(256 * 1024, largest) + 64 * 1024 for s in shards)  # + the header
+    assert meta["step"] == 8 and run_state.run_progress(tmp_path / "a")["num_blocks"] > 0
+    assert not (tmp_path / "a" / "state.old").exists()
+    train_drafter(target, sequences, drafter_config(target), vocab, recipe(), tmp_path / "a", progress=False)
+    straight = train_drafter(target, sequences, drafter_config(target), vocab, recipe(), tmp_path / "b",
+                             progress=False)
+    resumed = load_drafter(tmp_path / "a" / "drafter", target)
+    for (name, a), b in zip(resumed.state_dict().items(), straight.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_lazy_sequences_give_the_same_batches(dataset):
+    rows, features_dir = dataset
+    eager, lazy = load_sequences(rows, features_dir), load_sequences(rows, features_dir, lazy=True)
+    a = make_batch(eager, 6, 4, len(FEATURE_LAYERS), 64, torch.Generator().manual_seed(1))
+    b = make_batch(lazy, 6, 4, len(FEATURE_LAYERS), 64, torch.Generator().manual_seed(1))
+    for name in a.__dataclass_fields__:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_a_feature_cache_refuses_another_dtype_or_layer_set(tiny_llama, dataset, tmp_path):
+    _, features_dir = dataset  # written by datagen with the fp32 target
+    bf16 = load_target(tiny_llama, torch.bfloat16)
+    with pytest.raises(DsparkError, match="bfloat16"):
+        check_feature_cache(features_dir, bf16, FEATURE_LAYERS)
+    with pytest.raises(DsparkError, match="another --features-dir"):
+        check_feature_cache(features_dir, load_target(tiny_llama), (0,))
+    check_feature_cache(tmp_path / "fresh", bf16, FEATURE_LAYERS)  # a new cache takes any, then keeps to it
+    assert json.loads((tmp_path / "fresh" / "manifest.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_precision_names(monkeypatch):
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    assert resolve_precision("auto", torch.device("cpu")) in ("bf16", "fp32")
+    with pytest.raises(ValueError, match="precision"):
+        resolve_precision("fp8", torch.device("cpu"))
