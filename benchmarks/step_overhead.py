@@ -10,9 +10,9 @@ committed DSpark drafter verifying whole blocks at batch 1 (every step drafts: t
 verification and commit paths all run). Per run it records tokens/s, the engine's mean step
 seconds and the loop's own share of them (`loop_overhead_ms`: step time outside the target's
 forward pass, i.e. scheduling, drafting, sampling, verification, commits; the forward pass's
-own time varies by a few percent between processes with where its buffers land), and writes `benchmarks/results/step_overhead.json` with the medians and the
-after/before ratios. Only the public API both checkouts share is used (`LLM`, `generate`,
-`engine.counters`).
+own time varies by a few percent between processes with where its buffers land), and writes
+`benchmarks/results/step_overhead.json` with the medians and the after/before ratios. Only the
+public API both checkouts share is used (`LLM`, `generate`, `engine.counters`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dspark_trt.training.losses import drafter_loss, draft_logits, slot_weights
 from dspark_trt.training.prompts import load_prompts
 from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, train_drafter
 
-from tiny_drafters import FEATURE_LAYERS, make_drafter
+from tiny_drafters import FEATURE_LAYERS, make_dataset, make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,8 @@ def target(tiny_llama):
 @pytest.fixture(scope="module")
 def dataset(target, tmp_path_factory):
     """Self-distilled rows and cached features from the tiny target."""
-    folder = tmp_path_factory.mktemp("data")
-    prompts = load_prompts("gsm8k-train", 8)
-    generate_dataset(target, prompts, folder / "rows.jsonl",
-                     DatagenConfig(max_tokens=24, batch_size=8, feature_layers=FEATURE_LAYERS), folder / "features")
-    rows = read_rows(folder / "rows.jsonl")
-    return rows, load_sequences(rows, folder / "features")
+    rows, features_dir = make_dataset(target, tmp_path_factory.mktemp("data"))
+    return rows, load_sequences(rows, features_dir)
 
 
 

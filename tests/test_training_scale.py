@@ -6,16 +6,14 @@ import json
 
 import pytest
 import torch
-from tiny_drafters import FEATURE_LAYERS
+from tiny_drafters import FEATURE_LAYERS, make_dataset
 
 from dspark_trt import DsparkError
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter
 from dspark_trt.models.loading import load_target
 from dspark_trt.training import run_state
-from dspark_trt.training.data import check_feature_cache, load_sequences, make_batch, read_rows
-from dspark_trt.training.datagen import DatagenConfig, generate_dataset
-from dspark_trt.training.prompts import load_prompts
+from dspark_trt.training.data import check_feature_cache, load_sequences, make_batch
 from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, resolve_precision, train_drafter
 
 
@@ -26,11 +24,7 @@ def target(tiny_llama):
 
 @pytest.fixture(scope="module")
 def dataset(target, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("data")
-    generate_dataset(target, load_prompts("gsm8k-train", 6), folder / "rows.jsonl",
-                     DatagenConfig(max_tokens=24, batch_size=6, feature_layers=FEATURE_LAYERS), folder / "features")
-    rows = read_rows(folder / "rows.jsonl")
-    return rows, folder / "features"
+    return make_dataset(target, tmp_path_factory.mktemp("data"), num_prompts=6)
 
 
 def drafter_config(target):
@@ -107,3 +101,29 @@ def test_precision_names(monkeypatch):
     assert resolve_precision("auto", torch.device("cpu")) in ("bf16", "fp32")
     with pytest.raises(ValueError, match="precision"):
         resolve_precision("fp8", torch.device("cpu"))
+
+
+def test_block_attention_equals_the_dense_mask(target, dataset):
+    """Training's block-structured attention gives what the dense-mask attention gives on every
+    real block (padding anchors differ, and no loss reads them)."""
+    from tiny_drafters import make_drafter
+
+    from dspark_trt.models.drafter import BlockVisibility
+
+    rows, features_dir = dataset
+    drafter = make_drafter(target, num_layers=2).train()
+    G = drafter.config.block_size
+    batch = make_batch(load_sequences(rows, features_dir), 40, G, len(FEATURE_LAYERS), target.config.hidden_size,
+                       torch.Generator().manual_seed(0))  # 40 anchors: more than short rows have, so some pad
+    S, A = batch.anchor_tokens.shape
+    assert not batch.valid[..., 0].all()  # there are padding anchors
+    with torch.no_grad():
+        context = drafter.fuse_features(batch.context_features)
+        C = context.shape[1]
+        context_kv = drafter.context_keys_values(context, torch.arange(C).expand(S, C))
+        block = drafter.block_inputs(batch.anchor_tokens, (S, A)).reshape(S, A * G, -1)
+        dense = drafter.backbone(block, batch.block_positions, context_kv, batch.mask).view(S, A, G, -1)
+        visibility = BlockVisibility(batch.block_positions[:, ::G], G)
+        structured = drafter.backbone(block, batch.block_positions, context_kv, visibility).view(S, A, G, -1)
+    real = batch.valid[..., 0]
+    assert torch.allclose(dense[real], structured[real], atol=1e-5)

@@ -20,3 +20,15 @@ def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=
         if getattr(drafter, "sequential", None) is not None:
             drafter.sequential.w2.weight.normal_(std=0.5)
     return drafter
+
+
+def make_dataset(target, folder, num_prompts: int = 8):
+    """Self-distilled rows of the tiny target and their cached features: (rows, features folder)."""
+    from dspark_trt.training.data import read_rows
+    from dspark_trt.training.datagen import DatagenConfig, generate_dataset
+    from dspark_trt.training.prompts import load_prompts
+
+    generate_dataset(target, load_prompts("gsm8k-train", num_prompts), folder / "rows.jsonl",
+                     DatagenConfig(max_tokens=24, batch_size=num_prompts, feature_layers=FEATURE_LAYERS),
+                     folder / "features")
+    return read_rows(folder / "rows.jsonl"), folder / "features"

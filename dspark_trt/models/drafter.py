@@ -24,6 +24,8 @@ losses in `training/losses.py`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,6 +75,41 @@ class FeatureFusion(nn.Module):
         return self.norm(self.project(torch.cat([norm(part) for norm, part in zip(self.norms, parts)], dim=-1)))
 
 
+@dataclass
+class BlockVisibility:
+    """Training's attention pattern without a dense mask: the queries are A blocks of gamma slots
+    per sequence; each block sees the context positions before its anchor and its whole own block
+    (what `make_batch`'s dense mask says, minus the ~Q x Q zeros between blocks)."""
+
+    anchor_positions: torch.Tensor  # [S, A]: context positions < p are visible to the block anchored at p
+    block_size: int
+
+
+def block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
+                    block_keys: torch.Tensor, block_values: torch.Tensor, visibility: BlockVisibility) -> torch.Tensor:
+    """Grouped-query attention of blocks over their context and themselves.
+
+    q `[S, H, A * G, hd]`; context keys/values `[S, Hkv, C, hd]`; the blocks' own keys/values
+    `[S, Hkv, A * G, hd]` -> `[S, H, A * G, hd]`. Scores against the context (`[S, H, A*G, C]`)
+    and within each block (`[S, H, A, G, G]`) share one softmax. Through batched matmuls this
+    trains ~3x faster on a CPU than a masked fused attention over all `C + A*G` keys (measured on
+    a 16 x 64-anchor step), and it never forms the cross-block scores that the mask zeroes."""
+    S, H, Q, hd = q.shape
+    Hkv, C, G = context_keys.shape[1], context_keys.shape[2], visibility.block_size
+    A = Q // G
+    q = q.reshape(S, Hkv, H // Hkv, A, G, hd) * hd**-0.5
+    own_keys, own_values = block_keys.reshape(S, Hkv, A, G, hd), block_values.reshape(S, Hkv, A, G, hd)
+    context_scores = torch.einsum("skgaid,skcd->skgaic", q, context_keys)  # [S, Hkv, g, A, G, C]
+    hidden = torch.arange(C, device=q.device) >= visibility.anchor_positions[:, None, None, :, None, None]
+    context_scores = context_scores.float().masked_fill(hidden, float("-inf"))
+    own_scores = torch.einsum("skgaid,skajd->skgaij", q, own_keys).float()  # [S, Hkv, g, A, G, G]
+    probs = torch.softmax(torch.cat([context_scores, own_scores], dim=-1), dim=-1)
+    context_probs, own_probs = probs.to(context_values.dtype).split([C, G], dim=-1)
+    out = (torch.einsum("skgaic,skcd->skgaid", context_probs, context_values)
+           + torch.einsum("skgaij,skajd->skgaid", own_probs.to(own_values.dtype), own_values))
+    return out.reshape(S, H, Q, hd)
+
+
 class DraftLayer(nn.Module):
     """One backbone layer: block queries attend to injected context keys/values and the block."""
 
@@ -94,17 +131,21 @@ class DraftLayer(nn.Module):
         return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_keys: torch.Tensor,
-                context_values: torch.Tensor, mask: torch.Tensor | None, return_kv: bool = False):
+                context_values: torch.Tensor, mask: torch.Tensor | BlockVisibility | None, return_kv: bool = False):
         """x: block states `[batch, queries, d]`; context keys/values `[batch, kv_heads, ctx, head_dim]`;
-        mask: `[batch, queries, ctx + queries]` (True = visible) or None for all-visible.
+        mask: `[batch, queries, ctx + queries]` (True = visible), a `BlockVisibility` (training's
+        blocks, without the dense mask), or None for all-visible.
         With `return_kv`, also returns the block's own keys/values (autoregressive drafters cache them)."""
         h = self.attn_norm(x)
         q = apply_rope(self.q(h).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin).transpose(1, 2)
         block_keys, block_values = self.keys_values(h, cos, sin)
-        keys = torch.cat([context_keys, block_keys], dim=2)
-        values = torch.cat([context_values, block_values], dim=2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
-                                              enable_gqa=True)  # [batch, heads, queries, head_dim]
+        if isinstance(mask, BlockVisibility):
+            attn = block_attention(q, context_keys, context_values, block_keys, block_values, mask)
+        else:
+            keys = torch.cat([context_keys, block_keys], dim=2)
+            values = torch.cat([context_values, block_values], dim=2)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
+                                                  enable_gqa=True)  # [batch, heads, queries, head_dim]
         x = x + self.o(attn.transpose(1, 2).flatten(-2))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         out = x + self.down(F.silu(gate) * up)
@@ -316,7 +357,8 @@ class DSparkDrafter(DrafterBase):
         return x
 
     def backbone(self, block_states: torch.Tensor, block_positions: torch.Tensor,
-                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
+                 context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 mask: torch.Tensor | BlockVisibility | None) -> torch.Tensor:
         """block_states `[batch, queries, d]` at `block_positions` `[batch, queries]` -> hidden `[batch, queries, d]`."""
         cos, sin = rope_tables(block_positions, self.config.head_dim, self.config.rope_theta)
         x = block_states

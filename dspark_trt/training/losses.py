@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark_trt.models.drafter import DrafterBase
+from dspark_trt.models.drafter import BlockVisibility, DrafterBase
 from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.target import rms_norm
 from dspark_trt.training.data import Batch
@@ -52,7 +52,8 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
     C = context.shape[1]
     context_kv = drafter.context_keys_values(context, torch.arange(C, device=context.device).expand(S, C))
     block = drafter.block_inputs(batch.anchor_tokens, (S, A)).reshape(S, A * G, -1)
-    hidden = drafter.backbone(block, batch.block_positions, context_kv, batch.mask).view(S, A, G, -1)
+    visibility = BlockVisibility(batch.block_positions[:, ::G], G)  # each block's anchor position
+    hidden = drafter.backbone(block, batch.block_positions, context_kv, visibility).view(S, A, G, -1)
     logits = drafter.backbone_logits(hidden)
     bias, confidence = drafter.teacher_forced_heads(hidden, drafter.to_draft[batch.previous_tokens])
     return (logits if bias is None else logits + bias), confidence
