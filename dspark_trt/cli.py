@@ -196,7 +196,8 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import ensure_features, load_sequences, read_rows
+    from dspark_trt.training.data import (LAZY_FEATURES_ABOVE, FeatureSource, ensure_features, lazy_sequences,
+                                          load_sequences, read_rows)
     import torch
 
     from dspark_trt.models.linear import resolve_dtype
@@ -213,13 +214,15 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
         raise click.BadParameter(f"{data_path} has no training rows", param_hint="--data")
     feature_dtype = resolve_dtype(features_dtype, device)
     if feature_dtype == torch.float32:
-        ensure_features(loaded, rows, features_dir, layers)
+        features_target = loaded
     else:  # the serving dtype's target computes them (its fused bf16 pass on the CPU)
-        serving = load_target(target, feature_dtype)
-        serving.model.to(device)
-        ensure_features(serving, rows, features_dir, layers)
-        del serving
-    sequences = load_sequences(rows, features_dir, lazy=len(rows) > 4000)
+        features_target = load_target(target, feature_dtype)
+        features_target.model.to(device)
+    if len(rows) > LAZY_FEATURES_ABOVE:  # too many to hold: read per batch, computed when first sampled
+        sequences = lazy_sequences(rows, FeatureSource(features_target, features_dir, layers))
+    else:
+        ensure_features(features_target, rows, features_dir, layers)
+        sequences = load_sequences(rows, features_dir)
     config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
                                 draft_vocab=draft_vocab)
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))

@@ -13,7 +13,9 @@ from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter
 from dspark_trt.models.loading import load_target
 from dspark_trt.training import run_state
-from dspark_trt.training.data import check_feature_cache, load_sequences, make_batch
+from dspark_trt.training.data import (FeatureSource, check_feature_cache, ensure_features, lazy_sequences,
+                                      load_sequences, make_batch)
+from dspark_trt.training.datagen import feature_file
 from dspark_trt.training.trainer import TrainConfig, build_draft_vocab, resolve_precision, train_drafter
 
 
@@ -76,11 +78,27 @@ def test_checkpoints_are_shards_under_the_limit_and_resume_exactly(target, datas
         assert torch.equal(a, b), name
 
 
-def test_lazy_sequences_give_the_same_batches(dataset):
+def test_lazy_sequences_give_the_same_batches(target, dataset):
     rows, features_dir = dataset
-    eager, lazy = load_sequences(rows, features_dir), load_sequences(rows, features_dir, lazy=True)
+    eager = load_sequences(rows, features_dir)
+    lazy = lazy_sequences(rows, FeatureSource(target, features_dir, FEATURE_LAYERS))
     a = make_batch(eager, 6, 4, len(FEATURE_LAYERS), 64, torch.Generator().manual_seed(1))
     b = make_batch(lazy, 6, 4, len(FEATURE_LAYERS), 64, torch.Generator().manual_seed(1))
+    for name in a.__dataclass_fields__:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_missing_features_are_computed_when_a_row_is_first_sampled(target, dataset, tmp_path):
+    """On a fresh machine training starts at once: a row's features are computed (and cached)
+    the first time a batch needs them, equal to computing them all up front."""
+    rows, _ = dataset
+    ensure_features(target, rows, tmp_path / "upfront", FEATURE_LAYERS)
+    on_demand = lazy_sequences(rows, FeatureSource(target, tmp_path / "on-demand", FEATURE_LAYERS))
+    assert not feature_file(tmp_path / "on-demand", rows[0]["id"]).exists()
+    a = make_batch(load_sequences(rows, tmp_path / "upfront"), 6, 4, len(FEATURE_LAYERS), 64,
+                   torch.Generator().manual_seed(2))
+    b = make_batch(on_demand, 6, 4, len(FEATURE_LAYERS), 64, torch.Generator().manual_seed(2))
+    assert all(feature_file(tmp_path / "on-demand", r["id"]).is_file() for r in rows)
     for name in a.__dataclass_fields__:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 

@@ -3,8 +3,9 @@
 A `Sequence` is one datagen row with its features: `features` `[T-1, (m+1) * d]` fp16 (the m
 drafter feature layers, then the target's last layer, for every position but the final
 token) and `logsumexp` `[R]` (normaliser of the target logits that predicted each of the R
-response tokens). `ensure_features` computes what the cache lacks with one prefill-style
-target pass per row, so a fresh machine can train from the committed JSONL alone.
+response tokens). A `FeatureSource` computes what the cache lacks with one prefill-style target
+pass per row (all at once: `ensure_features`; or when a row is first sampled: `lazy_sequences`),
+so a fresh machine can train from the committed JSONL alone.
 
 `make_batch` samples anchors and builds the tensors one training step needs (see `Batch`).
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -25,26 +28,45 @@ from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.datagen import feature_file
 
 
+# Above this many rows, training reads each row's features from the cache per batch (and computes
+# a missing row's when it is first sampled) instead of loading all of them: ~6 KB a token, 11.7k
+# rows of ~300 tokens would be ~19 GB.
+LAZY_FEATURES_ABOVE = 4000
+
+
 class Sequence:
     """One training row: tokens, prompt length, target features and logit normalisers.
 
-    `features` `[T-1, (m+1) * d]` fp16 may be given as the cache file it lives in: it is then
-    read on each access (a training step reads its few sequences; the whole cache of a large
-    dataset, ~6 KB per token, would not fit in memory)."""
+    `features` `[T-1, (m+1) * d]` fp16 and `logsumexp` `[T-P]` fp32 are either tensors or read
+    on each use through a `FeatureSource` (a training step reads its few sequences; the whole
+    cache of a large dataset, ~6 KB per token, would not fit in memory)."""
 
-    def __init__(self, row_id: str, token_ids: torch.Tensor, prompt_length: int, features: torch.Tensor | Path,
-                 logsumexp: torch.Tensor):
+    def __init__(self, row_id: str, token_ids: torch.Tensor, prompt_length: int, features: torch.Tensor | None,
+                 logsumexp: torch.Tensor | None, source: FeatureSource | None = None, row: dict | None = None):
         self.row_id = row_id
         self.token_ids = token_ids  # [T] prompt + response
         self.prompt_length = prompt_length  # P
-        self._features = features
-        self.logsumexp = logsumexp  # [T-P] fp32: normaliser at positions P-1 .. T-2
+        self._features, self._logsumexp = features, logsumexp
+        self._source, self._row = source, row
+
+    @classmethod
+    def lazy(cls, row: dict, source: FeatureSource) -> Sequence:
+        return cls(row["id"], torch.tensor(row["prompt_ids"] + row["response_ids"]), len(row["prompt_ids"]), None,
+                   None, source, row)
+
+    def load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logsumexp): held, or read (computed first if the cache lacks them)."""
+        if self._source is not None:
+            return self._source.load(self._row)
+        return self._features, self._logsumexp
 
     @property
     def features(self) -> torch.Tensor:
-        if isinstance(self._features, Path):
-            return torch.from_numpy(np.load(self._features)["features"])
-        return self._features
+        return self.load()[0]
+
+    @property
+    def logsumexp(self) -> torch.Tensor:  # normaliser of the target logits at positions P-1 .. T-2
+        return self.load()[1]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -77,42 +99,70 @@ def check_feature_cache(features_dir: Path, target: LoadedTarget, feature_layers
         manifest.write_text(json.dumps(wanted))
 
 
-@torch.inference_mode()
-def ensure_features(target: LoadedTarget, rows: list[dict], features_dir: Path, feature_layers: tuple[int, ...],
-                    max_batch_tokens: int = 2048) -> None:
-    """Compute and cache the features of rows that have none (one target pass per row, on the
-    device the target's weights are on, in the target's weight dtype: the serving one, so the
-    drafter learns the features it will be given)."""
-    check_feature_cache(features_dir, target, feature_layers)
-    missing = [r for r in rows if not feature_file(features_dir, r["id"]).is_file()]
-    if not missing:
-        return
-    layers = (*feature_layers, target.config.num_layers - 1)
-    model = target.model
-    longest = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in missing)
-    pool = model.new_pool(1, longest)
-    for row in tqdm(missing, desc="target features", unit="row"):
-        tokens = row["prompt_ids"] + row["response_ids"][:-1]  # the final token is never fed
-        cache = pool.allocate()
-        prompt_length = len(row["prompt_ids"])
-        logits_at = torch.arange(prompt_length - 1, len(tokens))
-        out = model(torch.tensor(tokens), [len(tokens)], [cache], logits_at, layers)
-        pool.free(cache)
-        np.savez(feature_file(features_dir, row["id"]), features=out.features.to(torch.float16).cpu().numpy(),
-                 logsumexp=torch.logsumexp(out.logits.float(), dim=-1).cpu().numpy())
+class FeatureSource:
+    """Target features of training rows: read from the cache, or computed by the target (in its
+    weight dtype: the serving one, so the drafter learns the features it will be given) and
+    cached the first time a row is needed. Thread-safe: the trainer's batch worker calls it."""
 
+    def __init__(self, target: LoadedTarget, features_dir: Path, feature_layers: tuple[int, ...]):
+        check_feature_cache(features_dir, target, feature_layers)
+        self.target, self.features_dir = target, features_dir
+        self.layers = (*feature_layers, target.config.num_layers - 1)  # the last layer: the logits' hidden state
+        self._pool = None
+        self._lock = threading.Lock()
 
-def load_sequences(rows: list[dict], features_dir: Path, lazy: bool = False) -> list[Sequence]:
-    """The rows with their cached features (`lazy`: features read from the cache on each use)."""
-    sequences = []
-    for row in tqdm(rows, desc="loading features", unit="row", disable=len(rows) < 2000):
-        path = feature_file(features_dir, row["id"])
+    def has(self, row: dict) -> bool:
+        return feature_file(self.features_dir, row["id"]).is_file()
+
+    def load(self, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        path = feature_file(self.features_dir, row["id"])
+        if not path.is_file():
+            self.compute(row)
         data = np.load(path)
+        return torch.from_numpy(data["features"]), torch.from_numpy(data["logsumexp"]).float()
+
+    @torch.inference_mode()
+    def compute(self, row: dict) -> None:
+        """One prefill-style target pass over the row; the file is written atomically."""
+        tokens = row["prompt_ids"] + row["response_ids"][:-1]  # the final token is never fed
+        with self._lock:
+            model = self.target.model
+            if self._pool is None or self._pool.slot_capacity < len(tokens):
+                self._pool = model.new_pool(1, max(len(tokens), 1024))
+            cache = self._pool.allocate()
+            try:
+                logits_at = torch.arange(len(row["prompt_ids"]) - 1, len(tokens))
+                out = model(torch.tensor(tokens), [len(tokens)], [cache], logits_at, self.layers)
+            finally:
+                self._pool.free(cache)
+            path = feature_file(self.features_dir, row["id"])
+            staging = path.with_name(path.name + ".tmp.npz")
+            np.savez(staging, features=out.features.to(torch.float16).cpu().numpy(),
+                     logsumexp=torch.logsumexp(out.logits.float(), dim=-1).cpu().numpy())
+            os.replace(staging, path)
+
+
+def ensure_features(target: LoadedTarget, rows: list[dict], features_dir: Path, feature_layers: tuple[int, ...]) -> None:
+    """Compute and cache the features of rows that have none, now (one target pass per row)."""
+    source = FeatureSource(target, features_dir, feature_layers)
+    for row in tqdm([r for r in rows if not source.has(r)], desc="target features", unit="row"):
+        source.compute(row)
+
+
+def load_sequences(rows: list[dict], features_dir: Path) -> list[Sequence]:
+    """The rows with their cached features, held in memory."""
+    sequences = []
+    for row in rows:
+        data = np.load(feature_file(features_dir, row["id"]))
         tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
-        features = path if lazy else torch.from_numpy(data["features"])
-        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]), features,
+        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]), torch.from_numpy(data["features"]),
                                   torch.from_numpy(data["logsumexp"]).float()))
     return sequences
+
+
+def lazy_sequences(rows: list[dict], source: FeatureSource) -> list[Sequence]:
+    """The rows with features read through `source` on each use (computed on first use if missing)."""
+    return [Sequence.lazy(row, source) for row in rows]
 
 
 @dataclass
@@ -152,8 +202,8 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
     """
     S, A, G = len(sequences), num_anchors, block_size
     Q = A * G
-    features = [s.features for s in sequences]  # read once each (a lazy sequence reads its cache file)
-    C = max(f.shape[0] for f in features)
+    loaded = [s.load() for s in sequences]  # read once each (a lazy sequence reads its cache file)
+    C = max(features.shape[0] for features, _ in loaded)
     feature_width = num_feature_layers * hidden_size
     context = torch.zeros(S, C, feature_width, dtype=torch.float16)
     anchor_tokens = torch.zeros(S, A, dtype=torch.long)
@@ -167,7 +217,7 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
     tokens = torch.zeros(S, C + 1, dtype=torch.long)
     slots = torch.arange(G)
     own_block = torch.block_diag(*[torch.ones(G, G, dtype=torch.bool)] * A)  # [Q, Q]: each block sees itself
-    for s, (seq, seq_features) in enumerate(zip(sequences, features)):
+    for s, (seq, (seq_features, seq_logsumexp)) in enumerate(zip(sequences, loaded)):
         T = seq.token_ids.numel()
         context[s, : seq_features.shape[0]] = seq_features[:, :feature_width]
         tokens[s, :T] = seq.token_ids
@@ -186,7 +236,7 @@ def make_batch(sequences: list[Sequence], num_anchors: int, block_size: int, num
         anchor_tokens[s, :n] = seq.token_ids[anchors]
         logit_positions = (targets - 1).clamp(max=T - 2)  # logits at p + k - 1 predict p + k
         target_hidden[s, :n] = seq_features[logit_positions, feature_width:].float()
-        target_lse[s, :n] = seq.logsumexp[logit_positions - (seq.prompt_length - 1)]
+        target_lse[s, :n] = seq_logsumexp[logit_positions - (seq.prompt_length - 1)]
         # Padding anchors (short responses): attend to one context position so no row is empty.
         mask[s, n * G :, 0] = True
     return Batch(context, anchor_tokens, block_positions, mask, labels, previous, target_hidden, target_lse, valid,
