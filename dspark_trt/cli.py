@@ -187,12 +187,15 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
               show_default=True,
               help="Weight dtype of the target that computes missing features: use the one you serve in (auto: "
                    "the serving default, bfloat16 where our CPU kernels run).")
+@click.option("--compile-loss/--no-compile-loss", default=True, show_default=True,
+              help="Fuse the loss's elementwise work over the draft vocabulary with torch.compile (~30 s to compile "
+                   "once; falls back to eager with a warning if it cannot).")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=200, show_default=True,
               help="Steps between checkpoints (weights, optimizer, samplers: a stopped run resumes from the last).")
 @device_option("to train and compute missing features")
 def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
           steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, precision, features_dtype,
-          checkpoint_every, device):
+          compile_loss, checkpoint_every, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
@@ -228,7 +231,7 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
                                learning_rate=lr, seed=seed, slot_decay=slot_decay, checkpoint_every=checkpoint_every,
-                               precision=resolve_precision(precision, device))
+                               precision=resolve_precision(precision, device), compile_loss=compile_loss)
     drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
     if export_dir:

@@ -132,18 +132,19 @@ def test_loss_terms_on_a_hand_checked_case(target):
     labels = torch.tensor([[[0, 1]]])
     from dspark_trt.training import losses
 
-    class FakeBatch:  # only what drafter_loss reads after draft_logits / target probs
+    class FakeBatch:  # only what drafter_loss reads after draft_logits / target logits
         valid = torch.ones(1, 1, 2, dtype=torch.bool)
+        target_logsumexp = torch.zeros(1, 1, 2)  # target logits log(p_target): exp(logits - 0) = p_target
 
     FakeBatch.labels = labels
-    original_logits, original_target = losses.draft_logits, losses.target_probs_on_draft_vocab
+    original_logits, original_target = losses.draft_logits, losses.target_logits_on_draft_vocab
     losses.draft_logits = lambda d, b: (draft, confidence_logits)
-    losses.target_probs_on_draft_vocab = lambda d, b, n, e: p_target
+    losses.target_logits_on_draft_vocab = lambda d, b, n, e: p_target.log()
     try:
         terms = drafter_loss(drafter, FakeBatch(), None, 0.0)
         front_loaded = drafter_loss(drafter, FakeBatch(), None, 0.0, slot_decay=0.5)  # `--slot-decay 0.5`
     finally:
-        losses.draft_logits, losses.target_probs_on_draft_vocab = original_logits, original_target
+        losses.draft_logits, losses.target_logits_on_draft_vocab = original_logits, original_target
     l1_1 = abs(0.25 - 0.4) + abs(0.25 - 0.2) + abs(0.25 - 0.2) + abs(0.25 - 0.0) + 0.2  # = 0.7
     l1_2 = abs(1.0 - 0.5) + 0.5  # draft puts 1.0 on token 1; target 0.5 there and 0.5 outside D
     assert math.isclose(terms.l1, l1_1 * 1.0 + l1_2 * math.exp(-1 / 4), rel_tol=1e-4)

@@ -145,3 +145,30 @@ def test_block_attention_equals_the_dense_mask(target, dataset):
         structured = drafter.backbone(block, batch.block_positions, context_kv, visibility).view(S, A, G, -1)
     real = batch.valid[..., 0]
     assert torch.allclose(dense[real], structured[real], atol=1e-5)
+
+
+def test_the_compiled_loss_equals_the_eager_one_and_trains(target, dataset, tmp_path):
+    """`--compile-loss` (torch.compile of the slot terms) gives the eager terms and gradients."""
+    from dspark_trt.training import losses
+
+    generator = torch.Generator().manual_seed(0)
+    S, A, G, V = 2, 3, 4, 64
+    logits = torch.randn(S, A, G, V, generator=generator, requires_grad=True)
+    confidence = torch.randn(S, A, G, generator=generator, requires_grad=True)
+    target_logits = torch.randn(S, A, G, V, generator=generator)
+    lse = torch.logsumexp(target_logits, -1) + 0.1  # some target mass outside the draft vocabulary
+    labels = torch.randint(0, V + 5, (S, A, G), generator=generator)  # some labels outside it
+    valid = torch.rand(S, A, G, generator=generator) > 0.2
+    weights = losses.slot_weights(G)
+    eager = losses.slot_terms(logits, confidence, target_logits, lse, labels, valid, weights)
+    eager_grads = torch.autograd.grad(sum(t.sum() for t in eager[:3]), (logits, confidence))
+    compiled = losses.compiled_slot_terms(logits, confidence, target_logits, lse, labels, valid, weights)
+    compiled_grads = torch.autograd.grad(sum(t.sum() for t in compiled[:3]), (logits, confidence))
+    for a, b in zip((*eager, *eager_grads), (*compiled, *compiled_grads)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    rows, features_dir = dataset
+    config = TrainConfig(steps=3, sequences_per_batch=2, anchors_per_sequence=4, precision="bf16", compile_loss=True)
+    train_drafter(target, load_sequences(rows, features_dir), drafter_config(target),
+                  build_draft_vocab(rows, 1024, target.config.vocab_size, set()), config, tmp_path / "run",
+                  progress=False)
+    assert run_state.run_progress(tmp_path / "run")["step"] == 3

@@ -59,6 +59,7 @@ class TrainConfig:
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
     slot_decay: float = SLOT_DECAY  # L1 weight of slot k: exp(-(k-1)/slot_decay)
     precision: str = "fp32"  # "bf16": autocast matmuls to bf16 (fp32 master weights); see resolve_precision
+    compile_loss: bool = False  # the slot losses through torch.compile (losses.compiled_slot_terms)
 
 
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -123,7 +124,7 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 
 
 # What may change when a run resumes: its length (to extend a schedule) and how often it logs.
-RESUMABLE_CHANGES = {"steps", "checkpoint_every", "log_every"}
+RESUMABLE_CHANGES = {"steps", "checkpoint_every", "log_every", "compile_loss"}
 
 
 def _warn_on_recipe_change(saved: dict, config: TrainConfig) -> None:
@@ -222,7 +223,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
             batch, *sampler_state = pending.result()
             pending = prefetcher.submit(next_batch) if step + 1 < end_step else None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-                terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay)
+                terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay, config.compile_loss)
             optimizer.zero_grad(set_to_none=True)
             terms.total.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
