@@ -99,6 +99,12 @@ def check_feature_cache(features_dir: Path, target: LoadedTarget, feature_layers
         manifest.write_text(json.dumps(wanted))
 
 
+def read_features(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features `[T-1, (m+1) * d]` fp16, logsumexp `[T-P]` fp32) from a cache file."""
+    data = np.load(path)
+    return torch.from_numpy(data["features"]), torch.from_numpy(data["logsumexp"]).float()
+
+
 class FeatureSource:
     """Target features of training rows: read from the cache, or computed by the target (in its
     weight dtype: the serving one, so the drafter learns the features it will be given) and
@@ -118,8 +124,7 @@ class FeatureSource:
         path = feature_file(self.features_dir, row["id"])
         if not path.is_file():
             self.compute(row)
-        data = np.load(path)
-        return torch.from_numpy(data["features"]), torch.from_numpy(data["logsumexp"]).float()
+        return read_features(path)
 
     @torch.inference_mode()
     def compute(self, row: dict) -> None:
@@ -153,10 +158,9 @@ def load_sequences(rows: list[dict], features_dir: Path) -> list[Sequence]:
     """The rows with their cached features, held in memory."""
     sequences = []
     for row in rows:
-        data = np.load(feature_file(features_dir, row["id"]))
         tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
-        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]), torch.from_numpy(data["features"]),
-                                  torch.from_numpy(data["logsumexp"]).float()))
+        sequences.append(Sequence(row["id"], tokens, len(row["prompt_ids"]),
+                                  *read_features(feature_file(features_dir, row["id"]))))
     return sequences
 
 
