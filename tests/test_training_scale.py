@@ -3,6 +3,7 @@ resume exactly, features are read lazily from their cache, and a cache refuses f
 another dtype."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -76,6 +77,75 @@ def test_checkpoints_are_shards_under_the_limit_and_resume_exactly(target, datas
     resumed = load_drafter(tmp_path / "a" / "drafter", target)
     for (name, a), b in zip(resumed.state_dict().items(), straight.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _folder_bytes(folder):
+    return sum(f.stat().st_size for f in folder.glob("tensors-*.safetensors"))
+
+
+def test_the_compact_state_is_a_third_of_the_exact_one_and_a_run_resumes_from_it(target, dataset, tmp_path):
+    """What the repository keeps (state-compact/) holds the exact weights and samplers in about a
+    third of the exact state's bytes, and a fresh machine (no state/) continues the run from it."""
+    rows, features_dir = dataset
+    sequences = load_sequences(rows, features_dir)
+    vocab = build_draft_vocab(rows, 1024, target.config.vocab_size, set())
+    config = TrainConfig(steps=12, checkpoint_every=4, sequences_per_batch=2, anchors_per_sequence=4,
+                         precision="bf16", log_every=1)
+    run = tmp_path / "run"
+    train_drafter(target, sequences, drafter_config(target), vocab, config, run, progress=False, stop_at=8)
+    exact_bytes, compact_bytes = _folder_bytes(run / "state"), _folder_bytes(run / "state-compact")
+    assert compact_bytes < 0.4 * exact_bytes, (compact_bytes, exact_bytes)
+    _, exact = run_state.load_run_state(run)
+    shutil.rmtree(run / "state")  # what a fresh clone has
+    meta, compact = run_state.load_run_state(run)
+    assert meta["resumed_from"] == "state-compact" and meta["step"] == 8
+    for name, value in exact.items():  # weights and samplers exact; moments the same shapes
+        if not name.startswith("optimizer."):
+            assert torch.equal(compact[name], value), name
+        else:
+            assert compact[name].shape == value.shape, name
+    train_drafter(target, sequences, drafter_config(target), vocab, config, run, progress=False)
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert run_state.run_progress(run)["step"] == 12 and (run / "state").is_dir()
+
+
+def test_compact_moments_keep_row_and_column_sums_and_a_rank_one_moment_exactly():
+    generator = torch.Generator().manual_seed(0)
+    rank_one = torch.outer(torch.rand(6, generator=generator), torch.rand(4, generator=generator)) + 0.0
+    full_rank = torch.rand(6, 4, generator=generator)
+    tensors = {"optimizer.0.exp_avg_sq": rank_one, "optimizer.0.exp_avg": torch.randn(6, 4),
+               "optimizer.1.exp_avg_sq": full_rank, "optimizer.1.exp_avg": torch.randn(6, 4),
+               "optimizer.2.exp_avg_sq": torch.rand(5), "optimizer.2.exp_avg": torch.randn(5),
+               "optimizer.0.step": torch.tensor(7.0), "drafter.w": torch.randn(6, 4)}
+    compact = run_state.compact_moments(tensors)
+    assert "optimizer.0.exp_avg" not in compact and "optimizer.0.exp_avg_sq" not in compact
+    assert compact["optimizer.0.exp_avg_sq_rows"].shape == (6,) and compact["optimizer.0.exp_avg_sq_cols"].shape == (4,)
+    expanded = run_state.expand_moments(compact)
+    assert expanded.keys() == tensors.keys()
+    assert torch.allclose(expanded["optimizer.0.exp_avg_sq"], rank_one, rtol=1e-5)
+    assert torch.allclose(expanded["optimizer.1.exp_avg_sq"].sum(0), full_rank.sum(0), rtol=1e-5)
+    assert torch.allclose(expanded["optimizer.1.exp_avg_sq"].sum(1), full_rank.sum(1), rtol=1e-5)
+    assert not torch.allclose(expanded["optimizer.1.exp_avg_sq"], full_rank)  # an estimate, not a copy
+    assert not expanded["optimizer.1.exp_avg"].any()
+    for name in ("optimizer.2.exp_avg_sq", "optimizer.2.exp_avg", "optimizer.0.step", "drafter.w"):
+        assert torch.equal(expanded[name], tensors[name]), name  # vectors and the rest kept whole
+
+
+def test_a_resume_reads_the_latest_state_whichever_kind(tmp_path):
+    """A stale exact state left on a machine loses to a newer compact one from the repository;
+    at the same step the exact one wins."""
+    weights = {"drafter.w": torch.ones(2, 2), "optimizer.0.exp_avg_sq": torch.ones(2, 2),
+               "optimizer.0.exp_avg": torch.ones(2, 2)}
+    run_state.save_run_state(tmp_path, {"step": 4}, weights)
+    run_state.save_run_state(tmp_path, {"step": 8, "moments": "factored"}, run_state.compact_moments(weights),
+                             folder=run_state.COMPACT)
+    meta, _ = run_state.load_run_state(tmp_path)
+    assert (meta["step"], meta["resumed_from"]) == (8, "state-compact")
+    run_state.save_run_state(tmp_path, {"step": 8}, weights)
+    meta, tensors = run_state.load_run_state(tmp_path)
+    assert (meta["step"], meta["resumed_from"]) == (8, "state") and tensors["optimizer.0.exp_avg"].any()
+    assert run_state.run_progress(tmp_path)["step"] == 8
 
 
 def test_lazy_sequences_give_the_same_batches(target, dataset):

@@ -15,8 +15,9 @@ its anchors).
 
 The target is frozen and never runs here: its features come from the cache (`data.py`).
 A run folder holds `drafter/` (`config.json` + `model.safetensors`, loadable at any time),
-`state/` (what resuming needs, in files small enough to commit: `run_state.py`) and
-`train_log.jsonl` (one line per logged step).
+`state/` (what resuming needs, exactly; this machine's), `state-compact/` (the same with
+AdamW's moments shrunk: what the repository keeps, see `run_state.py`) and `train_log.jsonl`
+(one line per logged step).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from dspark_trt.models.drafter_io import build_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
-from dspark_trt.training.run_state import (load_run_state, optimizer_from_files, optimizer_to_files, run_progress,
-                                           save_run_state)
+from dspark_trt.training.run_state import (COMPACT, compact_moments, load_run_state, optimizer_from_files,
+                                           optimizer_to_files, run_progress, save_run_state)
 
 
 @dataclass
@@ -177,6 +178,10 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         optimizer.load_state_dict(optimizer_from_files(meta["optimizer"], tensors))
         start_step, elapsed, num_blocks = meta["step"], meta["elapsed"], meta.get("num_blocks", 0)
         _warn_on_recipe_change(meta.get("train_config", {}), config)
+        if meta.get("moments") == "factored":
+            tqdm.write(f"resuming at step {start_step} from {meta['resumed_from']}/ (the repository's copy): "
+                       "AdamW's first moments restart at zero, its second moments from their row and column "
+                       "sums (run_state.py)")
         generator.set_state(tensors["sampler.generator"])
         version, internal, gauss = meta["rng"]
         rng.setstate((version, tuple(internal), gauss))
@@ -205,6 +210,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         tensors = {**{f"drafter.{k}": v for k, v in drafter.state_dict().items()}, **moments,
                    "sampler.generator": generator_state}
         save_run_state(run_dir, meta, tensors)
+        save_run_state(run_dir, {**meta, "moments": "factored"}, compact_moments(tensors), folder=COMPACT)
         legacy_state.unlink(missing_ok=True)  # superseded by state/
         save_drafter(drafter, run_dir / "drafter")
 
