@@ -67,13 +67,24 @@ def save_run_state(run_dir: Path, meta: dict, tensors: dict[str, torch.Tensor], 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _state_folder(run_dir: Path) -> Path | None:
-    """The folder a resume reads, or None when the run has no state yet: the one at the latest
-    step (a stale exact state left on a machine loses to a newer compact one from the
+def save_compact_run_state(run_dir: Path, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """The exact state's `meta` and `tensors`, written as the repository's copy (`COMPACT`)."""
+    save_run_state(run_dir, {**meta, "moments": "factored"}, compact_moments(tensors), folder=COMPACT)
+
+
+def _latest_state(run_dir: Path) -> tuple[Path, dict] | None:
+    """(folder, meta) of the state a resume reads, or None when the run has none yet: the one at
+    the latest step (a stale exact state left on a machine loses to a newer compact one from the
     repository), the first in STATE_FOLDERS' order among equals."""
-    found = [(json.loads((Path(run_dir) / name / "meta.json").read_text())["step"], -order, Path(run_dir) / name)
-             for order, name in enumerate(STATE_FOLDERS) if (Path(run_dir) / name / "meta.json").is_file()]
-    return max(found)[2] if found else None
+    found = []
+    for order, name in enumerate(STATE_FOLDERS):
+        if (Path(run_dir) / name / "meta.json").is_file():
+            meta = json.loads((Path(run_dir) / name / "meta.json").read_text())
+            found.append((meta["step"], -order, Path(run_dir) / name, meta))
+    if not found:
+        return None
+    *_, folder, meta = max(found, key=lambda entry: entry[:2])
+    return folder, meta
 
 
 def load_run_state(run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]] | None:
@@ -81,13 +92,13 @@ def load_run_state(run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]] | None
     state the moments come back expanded (`expand_moments`) and `meta["resumed_from"]` says so."""
     from safetensors.torch import load_file
 
-    folder = _state_folder(run_dir)
-    if folder is None:
+    latest = _latest_state(run_dir)
+    if latest is None:
         return None
+    folder, meta = latest
     tensors = {}
     for shard in sorted(folder.glob("tensors-*.safetensors")):
         tensors.update(load_file(shard))
-    meta = json.loads((folder / "meta.json").read_text())
     meta["resumed_from"] = folder.name
     if meta.get("moments") == "factored":
         tensors = expand_moments(tensors)
@@ -97,9 +108,9 @@ def load_run_state(run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]] | None
 def run_progress(run_dir: Path) -> dict:
     """What a run's last checkpoint says (`step`, `elapsed`, `num_blocks`, `train_config`, ...); {} if none."""
     run_dir = Path(run_dir)
-    folder = _state_folder(run_dir)
-    if folder is not None:
-        return json.loads((folder / "meta.json").read_text())
+    latest = _latest_state(run_dir)
+    if latest is not None:
+        return latest[1]
     legacy = run_dir / "training_state.pt"  # runs from before `state/`
     if legacy.is_file():
         state = torch.load(legacy, map_location="cpu", weights_only=False)

@@ -42,8 +42,8 @@ from dspark_trt.models.drafter_io import build_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
-from dspark_trt.training.run_state import (COMPACT, compact_moments, load_run_state, optimizer_from_files,
-                                           optimizer_to_files, run_progress, save_run_state)
+from dspark_trt.training.run_state import (load_run_state, optimizer_from_files, optimizer_to_files, run_progress,
+                                           save_compact_run_state, save_run_state)
 
 
 @dataclass
@@ -210,7 +210,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         tensors = {**{f"drafter.{k}": v for k, v in drafter.state_dict().items()}, **moments,
                    "sampler.generator": generator_state}
         save_run_state(run_dir, meta, tensors)
-        save_run_state(run_dir, {**meta, "moments": "factored"}, compact_moments(tensors), folder=COMPACT)
+        save_compact_run_state(run_dir, meta, tensors)
         legacy_state.unlink(missing_ok=True)  # superseded by state/
         save_drafter(drafter, run_dir / "drafter")
 
