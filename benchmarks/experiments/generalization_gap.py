@@ -2,6 +2,9 @@
 
     python benchmarks/experiments/generalization_gap.py --features-dir runs/features \
         --output benchmarks/results/experiments/generalization_gap.json
+    # another drafter on the data it trained on (--drafter is repeatable; default: the committed four)
+    python benchmarks/experiments/generalization_gap.py --data data/train/smollm2-135m-instruct.bf16.jsonl.gz \
+        --features-dir ~/.cache/dspark-trt/features-bf16 --drafter NAME=FOLDER --output FILE.json
 
 For each drafter, the teacher-forced acceptance per block slot (the mean of 1 - 0.5 * L1 between
 draft and target distributions: the chance that rejection sampling at temperature 1 accepts slot
@@ -23,11 +26,27 @@ from pathlib import Path
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
 
 
+def named_drafters(specs: list[str] | None, checkpoints: Path) -> dict[str, Path]:
+    """`NAME=FOLDER` specs as {name: folder}; without any, the committed drafter of each kind."""
+    if not specs:
+        return {kind: checkpoints / kind for kind in KINDS}
+    named = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise SystemExit(f"--drafter: expected NAME=FOLDER, got {spec!r}")
+        named[name] = Path(folder)
+    return named
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("data/train/smollm2-135m-instruct.jsonl"))
     parser.add_argument("--features-dir", type=Path, required=True)
-    parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints/smollm2-135m-instruct"))
+    parser.add_argument("--checkpoints", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
+                        help="where the committed drafters are (used when no --drafter is given)")
+    parser.add_argument("--drafter", action="append", default=None,
+                        help="NAME=FOLDER (repeatable); default: the committed " + ", ".join(KINDS))
     parser.add_argument("--max-rows", type=int, default=2008,
                         help="only the first N rows of the data file (the ones the committed drafters saw)")
     parser.add_argument("--anchors", type=int, default=32, help="blocks per row")
@@ -60,14 +79,14 @@ def main() -> None:
 
     result: dict = {"data": str(args.data), "rows_per_set": len(held_out), "anchors_per_row": args.anchors,
                     "drafters": {}}
-    for kind in KINDS:
-        drafter = load_drafter(args.checkpoints / kind, target).float()
+    for drafter_name, folder in named_drafters(args.drafter, args.checkpoints).items():
+        drafter = load_drafter(folder, target).float()
         config = drafter.config
         per_set = {}
         for name, sequences in sets.items():
             generator = torch.Generator().manual_seed(args.seed)  # the same anchors for every drafter
             weighted, blocks = [0.0] * config.block_size, [0.0] * config.block_size
-            for start in tqdm(range(0, len(sequences), args.rows_per_batch), desc=f"{kind} {name}", leave=False):
+            for start in tqdm(range(0, len(sequences), args.rows_per_batch), desc=f"{drafter_name} {name}", leave=False):
                 batch = make_batch(sequences[start : start + args.rows_per_batch], args.anchors, config.block_size,
                                    len(config.feature_layers), config.hidden_size, generator)
                 with torch.no_grad():
@@ -78,8 +97,8 @@ def main() -> None:
                     blocks[k] += count
             per_set[name] = [w / b if b else 0.0 for w, b in zip(weighted, blocks)]
         gap = [t - h for t, h in zip(per_set["trained"], per_set["held_out"])]
-        result["drafters"][kind] = {**per_set, "gap": gap}
-        print(f"{kind:7s} trained  {' '.join(f'{x:.3f}' for x in per_set['trained'])}")
+        result["drafters"][drafter_name] = {**per_set, "gap": gap}
+        print(f"{drafter_name:7s} trained  {' '.join(f'{x:.3f}' for x in per_set['trained'])}")
         print(f"{'':7s} held out {' '.join(f'{x:.3f}' for x in per_set['held_out'])}")
     text = json.dumps(result, indent=2)
     if args.output:
