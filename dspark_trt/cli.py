@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from dspark_trt import __version__
-from dspark_trt.cli_options import dtype_option
+from dspark_trt.cli_options import dtype_option, features_dtype_option
 from dspark_trt.errors import DsparkError
 
 
@@ -183,10 +183,7 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="Training matmuls: bf16 (autocast, fp32 master weights and optimizer state) or fp32; auto = bf16 "
                    "where the CPU has AVX-512 BF16 or the GPU supports it.")
-@click.option("--features-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
-              show_default=True,
-              help="Weight dtype of the target that computes missing features: use the one you serve in (auto: "
-                   "the serving default, bfloat16 where our CPU kernels run).")
+@features_dtype_option
 @click.option("--compile-loss/--no-compile-loss", default=True, show_default=True,
               help="Fuse the loss's elementwise work over the draft vocabulary with torch.compile (~30 s to compile "
                    "once; falls back to eager with a warning if it cannot).")
@@ -199,11 +196,8 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import (LAZY_FEATURES_ABOVE, FeatureSource, ensure_features, lazy_sequences,
-                                          load_sequences, read_rows)
-    import torch
-
-    from dspark_trt.models.linear import resolve_dtype
+    from dspark_trt.training.data import (LAZY_FEATURES_ABOVE, FeatureSource, ensure_features, features_target,
+                                          lazy_sequences, load_sequences, read_rows)
     from dspark_trt.training.trainer import (TrainConfig, build_draft_vocab, drafter_config_for, is_held_out,
                                              resolve_precision, train_drafter)
 
@@ -215,16 +209,11 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     rows = [r for r in read_rows(data_path) if not is_held_out(r["id"])]
     if not rows:
         raise click.BadParameter(f"{data_path} has no training rows", param_hint="--data")
-    feature_dtype = resolve_dtype(features_dtype, device)
-    if feature_dtype == torch.float32:
-        features_target = loaded
-    else:  # the serving dtype's target computes them (its fused bf16 pass on the CPU)
-        features_target = load_target(target, feature_dtype)
-        features_target.model.to(device)
+    feature_computer = features_target(loaded, target, features_dtype, device)
     if len(rows) > LAZY_FEATURES_ABOVE:  # too many to hold: read per batch, computed when first sampled
-        sequences = lazy_sequences(rows, FeatureSource(features_target, features_dir, layers))
+        sequences = lazy_sequences(rows, FeatureSource(feature_computer, features_dir, layers))
     else:
-        ensure_features(features_target, rows, features_dir, layers)
+        ensure_features(feature_computer, rows, features_dir, layers)
         sequences = load_sequences(rows, features_dir)
     config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
                                 draft_vocab=draft_vocab)
@@ -235,6 +224,8 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
     if export_dir:
+        import torch
+
         from dspark_trt.models.drafter_io import save_drafter
         from dspark_trt.training.trainer import model_card
 
@@ -250,20 +241,21 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
               help="datagen JSONL; only the held-out rows (5%, by id) are used.")
 @click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--target", default="default", show_default=True)
-def calibrate(drafter_path, data_path, features_dir, target):
+@features_dtype_option
+def calibrate(drafter_path, data_path, features_dir, target, features_dtype):
     """Fit sequential temperature scaling (STS) of the confidence head on held-out data."""
     from dspark_trt.models.drafter_io import load_drafter, resave_drafter
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.calibrate import collect_confidences, fit_sts
-    from dspark_trt.training.data import ensure_features, load_sequences, read_rows
+    from dspark_trt.training.data import ensure_features, features_target, load_sequences, read_rows
     from dspark_trt.training.trainer import is_held_out
 
-    loaded = load_target(target)
+    loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
     drafter = load_drafter(drafter_path, loaded)
     rows = [r for r in read_rows(data_path) if is_held_out(r["id"])]
     if not rows:
         raise click.BadParameter(f"{data_path} has no held-out rows", param_hint="--data")
-    ensure_features(loaded, rows, features_dir, drafter.config.feature_layers)
+    ensure_features(features_target(loaded, target, features_dtype), rows, features_dir, drafter.config.feature_layers)
     logits, accepted = collect_confidences(drafter, load_sequences(rows, features_dir),
                                            loaded.model.final_norm.detach(), loaded.config.rms_norm_eps)
     report = fit_sts(logits, accepted)

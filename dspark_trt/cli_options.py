@@ -16,3 +16,12 @@ def dtype_option(command):
                         help="Weights of the target and drafter: bfloat16 (bf16 weight matrices, fp32 activations; "
                              "faster, and batch invariant where our AVX-512 CPU kernels run), float32 (the exact "
                              "reference), or auto (bfloat16 where our CPU kernels run, else float32).")(command)
+
+
+def features_dtype_option(command):
+    """`--features-dtype`: the weights of the target that computes missing training features."""
+    return click.option("--features-dtype", type=click.Choice(DTYPE_CHOICES), default=DEFAULT_DTYPE,
+                        show_default=True,
+                        help="Weight dtype of the target that computes missing features: use the one you serve in "
+                             "(auto: the serving default, bfloat16 where our CPU kernels run); a feature cache "
+                             "holds one dtype and refuses another.")(command)

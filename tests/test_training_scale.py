@@ -241,3 +241,39 @@ def test_the_compiled_loss_equals_the_eager_one_and_trains(target, dataset, tmp_
                   build_draft_vocab(rows, 1024, target.config.vocab_size, set()), config, tmp_path / "run",
                   progress=False)
     assert run_state.run_progress(tmp_path / "run")["step"] == 3
+
+
+def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched_cache(tiny_llama, target, dataset,
+                                                                                      tmp_path):
+    """`dspark-trt calibrate` fills a fresh cache with the dtype `--features-dtype` names (auto:
+    the serving one, as `train`), so it reads the cache a bf16 run trained from; a cache of
+    another dtype is refused with a one-line error that names the option, not a traceback."""
+    from click.testing import CliRunner
+    from tiny_drafters import make_drafter
+
+    from dspark_trt.cli import main
+    from dspark_trt.models.drafter_io import save_drafter
+    from dspark_trt.training.trainer import is_held_out
+
+    rows, _ = dataset
+    held_out_ids = [f"held/{i}" for i in range(400) if is_held_out(f"held/{i}")][: len(rows)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({**row, "id": row_id}) + "\n" for row, row_id in zip(rows, held_out_ids)))
+    save_drafter(make_drafter(target), tmp_path / "drafter")
+
+    def calibrate(features_dtype):
+        return CliRunner().invoke(main, ["calibrate", "--drafter", str(tmp_path / "drafter"), "--data", str(data),
+                                         "--features-dir", str(tmp_path / "features"), "--target", str(tiny_llama),
+                                         "--features-dtype", features_dtype])
+
+    result = calibrate("bfloat16")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "features" / "manifest.json").read_text())["dtype"] == "bfloat16"
+    assert len(list((tmp_path / "features").glob("*.npz"))) == len(rows)
+    report = json.loads((tmp_path / "drafter" / "calibration.json").read_text())
+    assert report["num_rows"] == len(rows) and report["num_blocks"] > 0
+    assert len(load_drafter(tmp_path / "drafter", target).config.confidence_temperatures) == 4  # one per slot
+
+    refused = calibrate("float32")
+    assert refused.exit_code != 0 and "--features-dtype" in refused.output
+    assert "Traceback" not in refused.output

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.models.loading import LoadedTarget
+from dspark_trt.models.loading import LoadedTarget, load_target
 from dspark_trt.training.datagen import feature_file
 
 
@@ -81,17 +81,23 @@ def read_rows(path: Path) -> list[dict]:
     return [r for r in rows if len(r["response_ids"]) >= 2]
 
 
+def weight_dtype(target: LoadedTarget) -> torch.dtype:
+    """The dtype of the target's weight matrices (what a feature cache records)."""
+    return getattr(target.model, "weight_dtype", torch.float32)
+
+
 def check_feature_cache(features_dir: Path, target: LoadedTarget, feature_layers: tuple[int, ...]) -> None:
     """A cache holds the features of one target, weight dtype and layer set (`manifest.json`):
     mixing two would train a drafter on features it never sees when serving."""
     features_dir.mkdir(parents=True, exist_ok=True)
-    wanted = {"target": target.name, "dtype": str(getattr(target.model, "weight_dtype", torch.float32)).split(".")[-1],
+    wanted = {"target": target.name, "dtype": str(weight_dtype(target)).split(".")[-1],
               "layers": list(feature_layers)}
     manifest = features_dir / "manifest.json"
     if manifest.is_file():
         found = json.loads(manifest.read_text())
         if found != wanted:
-            raise DsparkError(f"feature cache {features_dir} holds {found}, not {wanted}: use another --features-dir")
+            raise DsparkError(f"feature cache {features_dir} holds {found}, not {wanted}: use another --features-dir "
+                              "(or --features-dtype to match the cache)")
     elif any(features_dir.glob("*.npz")):  # a cache from before manifests: fp32 features of these layers
         manifest.write_text(json.dumps({**wanted, "dtype": "float32"}))
         check_feature_cache(features_dir, target, feature_layers)
@@ -145,6 +151,22 @@ class FeatureSource:
             np.savez(staging, features=out.features.to(torch.float16).cpu().numpy(),
                      logsumexp=torch.logsumexp(out.logits.float(), dim=-1).cpu().numpy())
             os.replace(staging, path)
+
+
+def features_target(loaded: LoadedTarget, target_name: str, dtype_choice: str,
+                    device: torch.device | str = "cpu") -> LoadedTarget:
+    """The target that computes missing features, in the weight dtype `dtype_choice` names
+    (`auto`: the serving default): `loaded` (fp32, whose embedding and LM head a drafter borrows)
+    when that is fp32, else the same target loaded in that dtype, so that a drafter learns, and is
+    calibrated on, the features the served target gives it."""
+    from dspark_trt.models.linear import resolve_dtype
+
+    dtype = resolve_dtype(dtype_choice, device)
+    if dtype == weight_dtype(loaded):
+        return loaded
+    other = load_target(target_name, dtype)
+    other.model.to(device)
+    return other
 
 
 def ensure_features(target: LoadedTarget, rows: list[dict], features_dir: Path, feature_layers: tuple[int, ...]) -> None:
