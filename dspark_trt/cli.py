@@ -106,7 +106,7 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
 @click.option("--target", default="default", show_default=True, help="Target whose responses to record.")
 @click.option("--prompts", "prompt_specs", multiple=True, default=DEFAULT_DATAGEN_MIX, show_default=True,
               help="Prompt set NAME[:LIMIT] (repeatable): gsm8k-train, t0, self-instruct, code-stdlib, "
-                   "code-stdlib-complete, or a JSONL path.")
+                   "code-stdlib-complete, code-stdlib-extra, code-stdlib-extra-complete, or a JSONL path.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file to append rows to; rows already there are skipped (resumable).")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Longest response.")

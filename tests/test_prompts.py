@@ -35,3 +35,25 @@ def test_completion_prompts_are_stdlib_stubs_not_humaneval_tasks():
         assert '"""' in text and " at 0x" not in text  # a docstring; no run-dependent default values
         def_line = text.split("```python\n", 1)[1].split("\n", 1)[0]  # "def name(signature):"
         assert not any(def_line in task for task in humaneval)  # a name may recur (search), never a task
+
+
+def test_the_extra_stdlib_sets_are_stable_new_tasks_whose_stubs_parse():
+    """`code-stdlib-extra(-complete)`: the rest of the stdlib (other modules' functions, every
+    class's methods), built the same way in every run, none a task the first code sets already
+    ask, and every completion stub valid Python (a def, or a class holding the one method)."""
+    import ast
+
+    write, complete = load_prompts("code-stdlib-extra"), load_prompts("code-stdlib-extra-complete")
+    assert [first_user_text(p) for p in write] == [first_user_text(p) for p in load_prompts("code-stdlib-extra")]
+    assert len(write) == len(complete) > 1_000 and {p.domain for p in write + complete} == {"code"}
+    earlier = {first_user_text(p) for name in ("code-stdlib", "code-stdlib-complete") for p in load_prompts(name)}
+    overlap = earlier & {first_user_text(p) for p in write + complete}
+    assert not overlap, sorted(overlap)[:3]
+    methods = [p for p in write if first_user_text(p).startswith("Write the method `")]
+    assert methods and len(methods) < len(write)  # both functions and methods
+    for prompt in complete:
+        text = first_user_text(prompt)
+        assert " at 0x" not in text
+        stub = text.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        tree = ast.parse(stub)  # a signature and docstring that Python accepts
+        assert isinstance(tree.body[0], (ast.FunctionDef, ast.ClassDef))

@@ -10,6 +10,8 @@ Named sets (see `data/SOURCES.md` for origins and licenses):
 | self-instruct | self_instruct/seed_tasks.jsonl     | chat   | training   |
 | code-stdlib   | built from Python stdlib docstrings| code   | training   |
 | code-stdlib-complete | the same functions as stubs to complete | code | training |
+| code-stdlib-extra | the rest of the stdlib: functions of every other module, methods of every class | code | training |
+| code-stdlib-extra-complete | the same as stubs to complete | code | training |
 | mt-bench      | mt_bench/question.jsonl (turn 1)   | chat   | evaluation |
 | humaneval     | humaneval/HumanEval.jsonl.gz       | code   | evaluation |
 | gsm8k         | gsm8k/test.jsonl                   | math   | evaluation |
@@ -19,18 +21,23 @@ Any other value is read as a JSONL path whose rows hold one of the fields `promp
 chat conversation (a list of messages), because the targets we serve are chat models; the
 code set asks for a function the way a user would. Evaluation sets are never mixed into
 training: `TRAINING_SETS` and `EVALUATION_SETS` are disjoint by construction. Ids are positions
-(`<set>/<row>`); for the two code sets, positions in this Python's stdlib listing, which another
+(`<set>/<row>`); for the code sets, positions in this Python's stdlib listing, which another
 Python version may order differently: a data file stays valid (rows keep their token ids), but
 do not resume one made under another Python version by id.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import gzip
 import importlib
 import inspect
+import io
 import json
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +53,8 @@ TRAINING_SETS = {
     "self-instruct": ("self_instruct/seed_tasks.jsonl", "chat"),
     "code-stdlib": (None, "code"),
     "code-stdlib-complete": (None, "code"),
+    "code-stdlib-extra": (None, "code"),
+    "code-stdlib-extra-complete": (None, "code"),
 }
 EVALUATION_SETS = {
     "mt-bench": ("mt_bench/question.jsonl", "chat"),
@@ -107,6 +116,30 @@ def humaneval_messages(row: dict) -> list[dict]:
     return user("Complete the following Python function.\n\n```python\n" + row["prompt"] + "```")
 
 
+def documented(obj) -> tuple[str, str] | None:
+    """(signature, docstring summary) of a function worth a coding task, or None: a summary of at
+    least 20 characters and a signature that prints the same in every run (no memory addresses)."""
+    doc = inspect.getdoc(obj)
+    summary = doc.split("\n\n")[0].replace("\n", " ").strip() if doc else ""
+    if len(summary) < 20:
+        return None
+    try:
+        signature = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return None
+    return signature, summary
+
+
+def public_functions(module) -> list[tuple[str, str, str]]:
+    """(name, signature, summary) of a module's own documented public functions, by name."""
+    functions = []
+    for name, obj in sorted(vars(module).items()):
+        if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module.__name__:
+            if found := documented(obj):
+                functions.append((name, *found))
+    return functions
+
+
 def stdlib_functions() -> list[tuple[str, str, str]]:
     """(name, signature, docstring summary) of the public stdlib functions worth a coding task."""
     functions = []
@@ -115,43 +148,100 @@ def stdlib_functions() -> list[tuple[str, str, str]]:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module.__name__:
-                continue
-            doc = inspect.getdoc(obj)
-            summary = doc.split("\n\n")[0].replace("\n", " ").strip() if doc else ""
-            if len(summary) < 20:
-                continue
-            try:
-                signature = str(inspect.signature(obj))
-            except (TypeError, ValueError):
-                continue
-            functions.append((name, signature, summary))
+        functions.extend(public_functions(module))
     return functions
+
+
+# Importing these does something (opens a browser or a window, prints the Zen of Python) or they
+# are tests and packaging tools rather than library code.
+STDLIB_SKIPPED = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "ensurepip", "venv",
+                            "lib2to3", "pydoc_data", "test", "xxlimited", "xxsubtype", "msvcrt", "winreg",
+                            "winsound", "nt"})
+
+
+def stdlib_extra_functions() -> list[tuple[str, str, str]]:
+    """The rest of the stdlib, as (qualified name, signature, summary): the functions of every
+    importable top-level module not in `STDLIB_MODULES`, then the methods of every public class
+    of every module (`Class.method`, `self` in the signature). Modules are imported with warnings
+    and printing silenced; their order is this Python's `sys.stdlib_module_names`, sorted. A task
+    that another module or `stdlib_functions` already gives (ntpath and posixpath share docstrings)
+    is kept once; one whose signature is not Python (`parses_as_python`) is left out."""
+    functions, methods = [], []
+    for module_name in sorted(sys.stdlib_module_names):
+        if module_name.startswith("_") or module_name in STDLIB_SKIPPED:
+            continue
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001  (a platform's missing module fails in many ways)
+            continue
+        if module_name not in STDLIB_MODULES:
+            functions.extend(public_functions(module))
+        for class_name, cls in sorted(vars(module).items()):
+            if class_name.startswith("_") or not inspect.isclass(cls) or cls.__module__ != module.__name__:
+                continue
+            for name, obj in sorted(vars(cls).items()):
+                if not name.startswith("_") and inspect.isfunction(obj) and (found := documented(obj)):
+                    methods.append((f"{class_name}.{name}", *found))
+    seen = set(stdlib_functions())
+    unique = []
+    for task in functions + methods:
+        if task not in seen and parses_as_python(task[1]):
+            seen.add(task)
+            unique.append(task)
+    return unique
+
+
+def parses_as_python(signature: str) -> bool:
+    """Whether `def f<signature>: ...` is Python: defaults that print as `<Enum.X: 1>` or
+    `<object at 0x...>` are not, and would make a stub no one could run (or one that changes
+    from run to run)."""
+    try:
+        ast.parse(f"def f{signature}: ...")
+    except SyntaxError:
+        return False
+    return True
+
+
+def write_a_function(name: str, signature: str, summary: str) -> list[dict]:
+    what = f"the method `{name}{signature}` of a Python class" if "." in name else f"a Python function `{name}{signature}`"
+    return user(f"Write {what}. {summary} Include a docstring and a short usage example.")
+
+
+def complete_a_function(name: str, signature: str, summary: str) -> list[dict]:
+    if "." in name:  # a method: the stub is its class with the one method
+        class_name, method = name.split(".", 1)
+        stub = f'class {class_name}:\n    def {method}{signature}:\n        """{summary}"""\n'
+    else:
+        stub = f'def {name}{signature}:\n    """{summary}"""\n'
+    return user("Complete the following Python function.\n\n```python\n" + stub + "```")
 
 
 def stdlib_code_prompts() -> list[list[dict]]:
     """"Write a Python function `name(signature)` that <docstring summary>" for stdlib functions."""
-    return [user(f"Write a Python function `{name}{signature}`. {summary} "
-                 "Include a docstring and a short usage example.")
-            for name, signature, summary in stdlib_functions()]
+    return [write_a_function(*function) for function in stdlib_functions()]
 
 
 def stdlib_completion_prompts() -> list[list[dict]]:
     """The same functions as a stub to complete: a signature and docstring, the way code-completion
     prompts are written (content from the stdlib, never from an evaluation set). Signatures whose
     defaults print as memory addresses are skipped: their text would change from run to run."""
-    return [user("Complete the following Python function.\n\n```python\n"
-                 f'def {name}{signature}:\n    """{summary}"""\n```')
-            for name, signature, summary in stdlib_functions() if " at 0x" not in signature]
+    return [complete_a_function(*function) for function in stdlib_functions() if " at 0x" not in function[1]]
+
+
+BUILT_CODE_SETS = {  # name -> its prompts, built from this Python's stdlib
+    "code-stdlib": stdlib_code_prompts,
+    "code-stdlib-complete": stdlib_completion_prompts,
+    "code-stdlib-extra": lambda: [write_a_function(*f) for f in stdlib_extra_functions()],
+    "code-stdlib-extra-complete": lambda: [complete_a_function(*f) for f in stdlib_extra_functions()],
+}
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
     """The first `limit` prompts of a named set or JSONL file (all when limit is None)."""
-    if name == "code-stdlib":
-        conversations, domain = stdlib_code_prompts(), "code"
-    elif name == "code-stdlib-complete":
-        conversations, domain = stdlib_completion_prompts(), "code"
+    if name in BUILT_CODE_SETS:
+        conversations, domain = BUILT_CODE_SETS[name](), "code"
     elif name in TRAINING_SETS or name in EVALUATION_SETS:
         relative, domain = {**TRAINING_SETS, **EVALUATION_SETS}[name]
         if not DATA_DIR.is_dir():
