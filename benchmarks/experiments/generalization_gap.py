@@ -1,6 +1,6 @@
 """Do the committed drafters fit their training rows better than rows they never saw?
 
-    python benchmarks/experiments/generalization_gap.py --features-dir runs/features \
+    python benchmarks/experiments/generalization_gap.py --features-dir runs/features --features-dtype float32 \
         --output benchmarks/results/experiments/generalization_gap.json
     # another drafter on the data it trained on (--drafter is repeatable; default: the committed four)
     python benchmarks/experiments/generalization_gap.py --data data/train/smollm2-135m-instruct.bf16.jsonl.gz \
@@ -49,6 +49,9 @@ def main() -> None:
                         help="NAME=FOLDER (repeatable); default: the committed " + ", ".join(KINDS))
     parser.add_argument("--max-rows", type=int, default=2008,
                         help="only the first N rows of the data file (the ones the committed drafters saw)")
+    parser.add_argument("--features-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights of the target that computes missing features (auto: the serving dtype); "
+                             "the committed four trained on float32 features")
     parser.add_argument("--anchors", type=int, default=32, help="blocks per row")
     parser.add_argument("--rows-per-batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -64,7 +67,7 @@ def main() -> None:
     from dspark_trt.models.drafter_io import load_drafter
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
+    from dspark_trt.training.data import ensure_features, features_target, load_sequences, make_batch, read_rows
     from dspark_trt.training.losses import drafter_loss
     from dspark_trt.training.trainer import is_held_out
 
@@ -72,7 +75,8 @@ def main() -> None:
     held_out = [r for r in rows if is_held_out(r["id"])]
     trained = random.Random(args.seed).sample([r for r in rows if not is_held_out(r["id"])], len(held_out))
     target = load_target("default")
-    ensure_features(target, held_out + trained, args.features_dir, default_feature_layers(target.config.num_layers))
+    ensure_features(features_target(target, "default", args.features_dtype), held_out + trained, args.features_dir,
+                    default_feature_layers(target.config.num_layers))
     sets = {"held_out": load_sequences(held_out, args.features_dir),
             "trained": load_sequences(trained, args.features_dir)}
     final_norm, eps = target.model.final_norm.detach(), target.config.rms_norm_eps
