@@ -117,8 +117,9 @@ def humaneval_messages(row: dict) -> list[dict]:
 
 
 def documented(obj) -> tuple[str, str] | None:
-    """(signature, docstring summary) of a function worth a coding task, or None: a summary of at
-    least 20 characters and a signature that prints the same in every run (no memory addresses)."""
+    """(signature, docstring summary) of a function worth a coding task, or None: it needs a
+    summary (the docstring's first paragraph) of at least 20 characters and a signature `inspect`
+    can give. Callers filter signatures further where a stub must be runnable Python."""
     doc = inspect.getdoc(obj)
     summary = doc.split("\n\n")[0].replace("\n", " ").strip() if doc else ""
     if len(summary) < 20:
