@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.models.linear import dtype_name, resolve_dtype
 from dspark_trt.models.loading import LoadedTarget, load_target
 from dspark_trt.training.datagen import feature_file
 
@@ -90,7 +91,7 @@ def check_feature_cache(features_dir: Path, target: LoadedTarget, feature_layers
     """A cache holds the features of one target, weight dtype and layer set (`manifest.json`):
     mixing two would train a drafter on features it never sees when serving."""
     features_dir.mkdir(parents=True, exist_ok=True)
-    wanted = {"target": target.name, "dtype": str(weight_dtype(target)).split(".")[-1],
+    wanted = {"target": target.name, "dtype": dtype_name(weight_dtype(target)),
               "layers": list(feature_layers)}
     manifest = features_dir / "manifest.json"
     if manifest.is_file():
@@ -159,8 +160,6 @@ def features_target(loaded: LoadedTarget, target_name: str, dtype_choice: str,
     (`auto`: the serving default): `loaded` (fp32, whose embedding and LM head a drafter borrows)
     when that is fp32, else the same target loaded in that dtype, so that a drafter learns, and is
     calibrated on, the features the served target gives it."""
-    from dspark_trt.models.linear import resolve_dtype
-
     dtype = resolve_dtype(dtype_choice, device)
     if dtype == weight_dtype(loaded):
         return loaded
