@@ -154,8 +154,9 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 
 
 @main.command()
-@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="JSONL rows written by `dspark-trt datagen`.")
+@click.option("--data", "data_paths", type=click.Path(dir_okay=False, path_type=Path), required=True, multiple=True,
+              help="JSONL rows written by `dspark-trt datagen` (.gz as committed); repeat to train on several "
+                   "files (row ids must not repeat across them).")
 @click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Target feature cache (filled from the target for rows that lack features).")
 @click.option("--target", default="default", show_default=True, help="The target the data came from.")
@@ -190,14 +191,14 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=200, show_default=True,
               help="Steps between checkpoints (weights, optimizer, samplers: a stopped run resumes from the last).")
 @device_option("to train and compute missing features")
-def train(data_path, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
+def train(data_paths, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
           steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, precision, features_dtype,
           compile_loss, checkpoint_every, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import (LAZY_FEATURES_ABOVE, FeatureSource, ensure_features, features_target,
-                                          lazy_sequences, load_sequences, read_rows)
+                                          lazy_sequences, load_sequences, read_datasets)
     from dspark_trt.training.trainer import (TrainConfig, build_draft_vocab, drafter_config_for, is_held_out,
                                              resolve_precision, train_drafter)
 
@@ -206,9 +207,9 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
-    rows = [r for r in read_rows(data_path) if not is_held_out(r["id"])]
+    rows = [r for r in read_datasets(data_paths) if not is_held_out(r["id"])]
     if not rows:
-        raise click.BadParameter(f"{data_path} has no training rows", param_hint="--data")
+        raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no training rows", param_hint="--data")
     feature_computer = features_target(loaded, target, features_dtype, device)
     if len(rows) > LAZY_FEATURES_ABOVE:  # too many to hold: read per batch, computed when first sampled
         sequences = lazy_sequences(rows, FeatureSource(feature_computer, features_dir, layers))
@@ -229,7 +230,7 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
         from dspark_trt.models.drafter_io import save_drafter
         from dspark_trt.training.trainer import model_card
 
-        card = model_card(drafter, data_path, sequences, train_config, output)
+        card = model_card(drafter, data_paths, sequences, train_config, output)
         save_drafter(drafter, export_dir, dtype=torch.float16, extra_files={"MODEL_CARD.md": card})
         click.echo(f"exported (fp16) to {export_dir}")
 
@@ -237,24 +238,24 @@ def train(data_path, features_dir, target, output, kind, head, block_size, num_l
 @main.command()
 @click.option("--drafter", "drafter_path", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Drafter checkpoint folder to calibrate (updated in place).")
-@click.option("--data", "data_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="datagen JSONL; only the held-out rows (5%, by id) are used.")
+@click.option("--data", "data_paths", type=click.Path(dir_okay=False, path_type=Path), required=True, multiple=True,
+              help="datagen JSONL (repeatable, as for `train`); only the held-out rows (5%, by id) are used.")
 @click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--target", default="default", show_default=True)
 @features_dtype_option
-def calibrate(drafter_path, data_path, features_dir, target, features_dtype):
+def calibrate(drafter_path, data_paths, features_dir, target, features_dtype):
     """Fit sequential temperature scaling (STS) of the confidence head on held-out data."""
     from dspark_trt.models.drafter_io import load_drafter, resave_drafter
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.calibrate import collect_confidences, fit_sts
-    from dspark_trt.training.data import ensure_features, features_target, load_sequences, read_rows
+    from dspark_trt.training.data import ensure_features, features_target, load_sequences, read_datasets
     from dspark_trt.training.trainer import is_held_out
 
     loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
     drafter = load_drafter(drafter_path, loaded)
-    rows = [r for r in read_rows(data_path) if is_held_out(r["id"])]
+    rows = [r for r in read_datasets(data_paths) if is_held_out(r["id"])]
     if not rows:
-        raise click.BadParameter(f"{data_path} has no held-out rows", param_hint="--data")
+        raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no held-out rows", param_hint="--data")
     ensure_features(features_target(loaded, target, features_dtype), rows, features_dir, drafter.config.feature_layers)
     logits, accepted = collect_confidences(drafter, load_sequences(rows, features_dir),
                                            loaded.model.final_norm.detach(), loaded.config.rms_norm_eps)

@@ -277,3 +277,40 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     refused = calibrate("float32")
     assert refused.exit_code != 0 and "--features-dtype" in refused.output
     assert "Traceback" not in refused.output
+
+
+def test_train_reads_several_data_files_and_refuses_a_row_id_given_twice(tiny_llama, dataset, tmp_path):
+    """`train --data A --data B` trains on the rows of both (the model card names both files and
+    counts every training row); a row id present in two files is refused before anything is
+    loaded or written, naming both files: its cached features would be the other row's."""
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+    from dspark_trt.training.trainer import is_held_out
+
+    rows, features_dir = dataset
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
+    second.write_text("".join(json.dumps(row) + "\n" for row in rows[3:]))
+
+    def train(*data, output):
+        data_args = [arg for path in data for arg in ("--data", str(path))]
+        return CliRunner().invoke(main, ["train", *data_args, "--features-dir", str(features_dir),
+                                         "--target", str(tiny_llama), "--output", str(tmp_path / output),
+                                         "--num-layers", "1", "--block-size", "4", "--draft-vocab", "1024",
+                                         "--feature-layers", ",".join(map(str, FEATURE_LAYERS)),
+                                         "--steps", "2", "--batch-size", "2", "--anchors", "4", "--no-compile-loss",
+                                         "--features-dtype", "float32",
+                                         "--export", str(tmp_path / output / "export")])
+
+    result = train(first, second, output="both")
+    assert result.exit_code == 0, result.output
+    num_training = sum(not is_held_out(row["id"]) for row in rows)
+    assert f"({num_training} training sequences)" in result.output
+    card = (tmp_path / "both" / "export" / "MODEL_CARD.md").read_text()
+    assert f"`{first}`, `{second}`: {num_training} training sequences" in card
+
+    refused = train(first, first, output="twice")
+    assert refused.exit_code != 0 and "Traceback" not in refused.output
+    assert f"in both {first} and {first}" in refused.output and rows[0]["id"] in refused.output
+    assert not (tmp_path / "twice").exists()

@@ -82,6 +82,21 @@ def read_rows(path: Path) -> list[dict]:
     return [r for r in rows if len(r["response_ids"]) >= 2]
 
 
+def read_datasets(paths: list[Path]) -> list[dict]:
+    """The rows of several datagen files, in order. Row ids must be unique across them: a
+    feature cache and the held-out split are keyed by id, so two files sharing one would train on
+    one row's features for the other's tokens."""
+    rows, first_file = [], {}
+    for path in paths:
+        for row in read_rows(path):
+            if row["id"] in first_file:
+                raise DsparkError(f"row id {row['id']!r} is in both {first_file[row['id']]} and {path}: "
+                                  "pass each file once, and only files made from different prompt sets")
+            first_file[row["id"]] = path
+            rows.append(row)
+    return rows
+
+
 def weight_dtype(target: LoadedTarget) -> torch.dtype:
     """The dtype of the target's weight matrices (what a feature cache records)."""
     return getattr(target.model, "weight_dtype", torch.float32)
