@@ -57,3 +57,17 @@ def test_the_extra_stdlib_sets_are_stable_new_tasks_whose_stubs_parse():
         stub = text.split("```python\n", 1)[1].rsplit("```", 1)[0]
         tree = ast.parse(stub)  # a signature and docstring that Python accepts
         assert isinstance(tree.body[0], (ast.FunctionDef, ast.ClassDef))
+
+
+def test_the_extra_stdlib_sets_do_not_depend_on_what_was_imported_first():
+    """transformers patches `logging.Logger.warning_advice` onto the stdlib's Logger when it is
+    imported; that method is not the stdlib's and must not enter the set (it would shift every
+    later prompt's id between a process that loaded a tokenizer first and one that did not)."""
+    import logging
+
+    import transformers  # noqa: F401  (the import that patches Logger)
+
+    assert hasattr(logging.Logger, "warning_advice")  # else this test checks nothing
+    texts = [first_user_text(p) for p in load_prompts("code-stdlib-extra")]
+    assert not any("warning_advice" in text for text in texts)
+    assert any("`Logger." in text for text in texts)  # the stdlib's own Logger methods stay

@@ -183,7 +183,11 @@ def stdlib_extra_functions() -> list[tuple[str, str, str]]:
             if class_name.startswith("_") or not inspect.isclass(cls) or cls.__module__ != module.__name__:
                 continue
             for name, obj in sorted(vars(cls).items()):
-                if not name.startswith("_") and inspect.isfunction(obj) and (found := documented(obj)):
+                # a method another package patched onto a stdlib class (transformers adds
+                # `Logger.warning_advice` on import) is not the stdlib's, and would make the set
+                # depend on what the process imported first
+                if (not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module.__name__
+                        and (found := documented(obj))):
                     methods.append((f"{class_name}.{name}", *found))
     seen = set(stdlib_functions())
     unique = []
