@@ -388,6 +388,38 @@ def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_p
     assert torch.allclose(unrolled[0, 0, 0], incremental[0, 0], atol=1e-4)
 
 
+def test_eagle_proposer_drafts_what_training_time_test_trains(target, dataset):
+    """Every step of an EAGLE-3-style block drawn at T=1 (its chain of own outputs, RoPE
+    positions and the context it may see) has the distribution that training-time test computes
+    when teacher-forced on the drawn tokens, for two anchors of one batch at once (the training
+    path shares a sequence's context keys between its anchors; neither may see the other's chain)."""
+    from dspark_trt.runtime.eagle_proposer import EagleProposer
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.runtime.sampling import SamplingParams as SP
+
+    _, sequences = dataset
+    drafter = make_drafter(target, kind="eagle3").eval()
+    gamma, width = drafter.config.block_size, len(FEATURE_LAYERS) * target.config.hidden_size
+    seq = next(s for s in sequences if s.token_ids.numel() >= s.prompt_length + 2 * gamma + 3)
+    tokens = seq.token_ids.clone()
+    anchors = [seq.prompt_length + 1, seq.prompt_length + gamma + 2]  # the second block starts after the first
+    drafts = []
+    for p in anchors:  # draft each block on the tokens so far (the first block's drawn tokens included)
+        request = Request("r", tokens[: seq.prompt_length].tolist(), SP(temperature=1.0), torch.Generator().manual_seed(p))
+        request.output_token_ids = tokens[seq.prompt_length : p + 1].tolist()
+        proposer = EagleProposer(drafter)
+        proposer.observe(request, seq.features[:p, :width].float())
+        drafts.append(proposer.propose([request])[0])
+        tokens[p + 1 : p + gamma] = torch.tensor(drafts[-1].tokens[: gamma - 1])  # teacher-force the drawn block
+    with torch.no_grad():
+        fused = drafter.fuse_features(seq.features[None, :, :width].float())
+        fused = torch.cat([fused, torch.zeros_like(fused[:, :1])], dim=1)
+        unrolled = drafter.training_time_test(tokens[None], fused, torch.tensor([anchors]), gamma)  # [1, 2, G, V_d]
+    trained = torch.softmax(unrolled[0], dim=-1)
+    for draft, steps in zip(drafts, trained):
+        assert torch.allclose(draft.probs[:, drafter.draft_vocab], steps, atol=1e-5)
+
+
 def test_cli_generate_with_a_drafter(tiny_llama, target, tmp_path):
     import subprocess
     import sys

@@ -90,8 +90,10 @@ def block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values:
     """Grouped-query attention of blocks over their context and themselves.
 
     q `[S, H, A * G, hd]`; context keys/values `[S, Hkv, C, hd]`; the blocks' own keys/values
-    `[S, Hkv, A * G, hd]` -> `[S, H, A * G, hd]`. Scores against the context (`[S, H, A*G, C]`)
-    and within each block (`[S, H, A, G, G]`) share one softmax. It never forms the cross-block
+    `[S, Hkv, A * J, hd]` -> `[S, H, A * G, hd]`: every query of block a sees the J own keys of
+    block a (J = G for DSpark's blocks; EAGLE's training-time test has one query per anchor and
+    J = its chain so far plus itself). Scores against the context (`[S, H, A*G, C]`)
+    and within each block (`[S, H, A, G, J]`) share one softmax. It never forms the cross-block
     scores that the dense mask zeroes, and runs as batched matmuls: on a 16 x 64-anchor bf16
     training step here the attention went from 2.8 s (PyTorch's fused CPU attention with the
     mask, forward + backward) to ~0.8 s, the whole step from 11.5 to 8.3 s (measured with
@@ -99,17 +101,26 @@ def block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values:
     S, H, Q, hd = q.shape
     Hkv, C, G = context_keys.shape[1], context_keys.shape[2], visibility.block_size
     A = Q // G
+    J = block_keys.shape[2] // A
     q = q.reshape(S, Hkv, H // Hkv, A, G, hd) * hd**-0.5
-    own_keys, own_values = block_keys.reshape(S, Hkv, A, G, hd), block_values.reshape(S, Hkv, A, G, hd)
+    own_keys, own_values = block_keys.reshape(S, Hkv, A, J, hd), block_values.reshape(S, Hkv, A, J, hd)
     context_scores = torch.einsum("skgaid,skcd->skgaic", q, context_keys)  # [S, Hkv, g, A, G, C]
     hidden = torch.arange(C, device=q.device) >= visibility.anchor_positions[:, None, None, :, None, None]
     context_scores = context_scores.float().masked_fill(hidden, float("-inf"))
-    own_scores = torch.einsum("skgaid,skajd->skgaij", q, own_keys).float()  # [S, Hkv, g, A, G, G]
+    own_scores = torch.einsum("skgaid,skajd->skgaij", q, own_keys).float()  # [S, Hkv, g, A, G, J]
     probs = torch.softmax(torch.cat([context_scores, own_scores], dim=-1), dim=-1)
-    context_probs, own_probs = probs.to(context_values.dtype).split([C, G], dim=-1)
+    context_probs, own_probs = probs.to(context_values.dtype).split([C, J], dim=-1)
     out = (torch.einsum("skgaic,skcd->skgaid", context_probs, context_values)
            + torch.einsum("skgaij,skajd->skgaid", own_probs.to(own_values.dtype), own_values))
     return out.reshape(S, H, Q, hd)
+
+
+def prefix_with(prefix: torch.Tensor, own: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-block prefix `[S, Hkv, A, P, hd]` and blocks' own keys (or values) `[S, Hkv, A * G, hd]`
+    -> `[S, Hkv, A * (P + G), hd]`: block a's P prefix entries, then its G own."""
+    S, Hkv, A, P, hd = prefix.shape
+    own = own.reshape(S, Hkv, A, block_size, hd)
+    return torch.cat([prefix, own], dim=3).reshape(S, Hkv, A * (P + block_size), hd)
 
 
 class DraftLayer(nn.Module):
@@ -133,16 +144,23 @@ class DraftLayer(nn.Module):
         return apply_rope(k, cos, sin).transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_keys: torch.Tensor,
-                context_values: torch.Tensor, mask: torch.Tensor | BlockVisibility | None, return_kv: bool = False):
+                context_values: torch.Tensor, mask: torch.Tensor | BlockVisibility | None, return_kv: bool = False,
+                block_prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x: block states `[batch, queries, d]`; context keys/values `[batch, kv_heads, ctx, head_dim]`;
         mask: `[batch, queries, ctx + queries]` (True = visible), a `BlockVisibility` (training's
         blocks, without the dense mask), or None for all-visible.
+        block_prefix (with a `BlockVisibility` only): keys/values `[batch, kv_heads, A, P, head_dim]`
+        that each block's queries also see before the block's own (EAGLE's chain of earlier steps).
         With `return_kv`, also returns the block's own keys/values (autoregressive drafters cache them)."""
         h = self.attn_norm(x)
         q = apply_rope(self.q(h).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin).transpose(1, 2)
         block_keys, block_values = self.keys_values(h, cos, sin)
         if isinstance(mask, BlockVisibility):
-            attn = block_attention(q, context_keys, context_values, block_keys, block_values, mask)
+            own_keys, own_values = block_keys, block_values
+            if block_prefix is not None:
+                own_keys, own_values = (prefix_with(prefix, own, mask.block_size)
+                                        for prefix, own in zip(block_prefix, (block_keys, block_values)))
+            attn = block_attention(q, context_keys, context_values, own_keys, own_values, mask)
         else:
             keys = torch.cat([context_keys, block_keys], dim=2)
             values = torch.cat([context_values, block_values], dim=2)

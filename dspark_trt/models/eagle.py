@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_trt.models.drafter import DraftLayer, DrafterBase, RMSNorm, rope_tables
+from dspark_trt.models.drafter import BlockVisibility, DraftLayer, DrafterBase, RMSNorm, rope_tables
 from dspark_trt.models.linear import DraftLinear
 
 
@@ -76,20 +76,17 @@ class EagleDrafter(DrafterBase):
         gather = anchors[..., None].expand(S, A, out.shape[-1])
         previous = out.gather(1, gather)  # [S, A, d]: step-1 output at each anchor
         all_logits = [self.logits(previous)]
-        # Later steps run per anchor: batch S*A, context = step-1 keys of positions <= anchor.
-        flat_anchor = anchors.reshape(S * A)
-        context_k = keys[:, None].expand(S, A, *keys.shape[1:]).reshape(S * A, *keys.shape[1:])
-        context_v = values[:, None].expand(S, A, *values.shape[1:]).reshape(S * A, *values.shape[1:])
-        visible_context = torch.arange(T, device=device)[None] <= flat_anchor[:, None]  # [S*A, T]
-        chain_k, chain_v = self.empty_kv(S * A, device)
-        previous = previous.reshape(S * A, 1, -1)
+        # Later steps: one query per anchor, over the step-1 keys of positions <= anchor (shared
+        # by a sequence's anchors, never copied per anchor) and this anchor's own chain so far.
+        visibility = BlockVisibility(anchors + 1, 1)  # context positions < anchor + 1 are visible
+        Hkv, hd = self.config.num_kv_heads, self.config.head_dim
+        chain_k = chain_v = keys.new_zeros(S, Hkv, A, 0, hd)  # [S, Hkv, A, j-1, hd]
         for j in range(2, num_steps + 1):
-            position = (flat_anchor + j - 1).clamp(max=T - 1)
-            token = tokens.repeat_interleave(A, dim=0).gather(1, position[:, None])  # teacher-forced x_{a+j-1}
-            x = self.inputs(token, self.next_feature(previous))
-            mask = torch.cat([visible_context, torch.ones(S * A, j - 1, dtype=torch.bool, device=device)], dim=1)[:, None]
-            previous, (k, v) = self.step(x, position[:, None], torch.cat([context_k, chain_k], 2),
-                                         torch.cat([context_v, chain_v], 2), mask)
-            chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)
-            all_logits.append(self.logits(previous).reshape(S, A, -1))
+            position = (anchors + j - 1).clamp(max=T - 1)  # [S, A]
+            x = self.inputs(tokens.gather(1, position), self.next_feature(previous))  # teacher-forced x_{a+j-1}
+            cos, sin = rope_tables(position, hd, self.config.rope_theta)
+            previous, (k, v) = self.layer(x, cos, sin, keys, values, visibility, return_kv=True,
+                                          block_prefix=(chain_k, chain_v))  # [S, A, d]; k, v [S, Hkv, A, hd]
+            chain_k, chain_v = torch.cat([chain_k, k.unsqueeze(3)], 3), torch.cat([chain_v, v.unsqueeze(3)], 3)
+            all_logits.append(self.logits(previous))
         return torch.stack(all_logits, dim=2)
