@@ -44,10 +44,11 @@ class EagleDrafter(DrafterBase):
         return torch.cat([torch.zeros_like(fused[:, :1]), fused[:, :-1]], dim=1)
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
-             mask: torch.Tensor | None):
+             mask: torch.Tensor | BlockVisibility | None,
+             block_prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
         """One pass of the layer: returns (output `[B, q, d]` before the final norm, own keys/values)."""
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        return self.layer(x, cos, sin, context_keys, context_values, mask, return_kv=True)
+        return self.layer(x, cos, sin, context_keys, context_values, mask, return_kv=True, block_prefix=block_prefix)
 
     def logits(self, output: torch.Tensor) -> torch.Tensor:
         if self.bf16_lm_head is not None:  # bf16 inference (`use_bf16_weights`)
@@ -84,9 +85,8 @@ class EagleDrafter(DrafterBase):
         for j in range(2, num_steps + 1):
             position = (anchors + j - 1).clamp(max=T - 1)  # [S, A]
             x = self.inputs(tokens.gather(1, position), self.next_feature(previous))  # teacher-forced x_{a+j-1}
-            cos, sin = rope_tables(position, hd, self.config.rope_theta)
-            previous, (k, v) = self.layer(x, cos, sin, keys, values, visibility, return_kv=True,
-                                          block_prefix=(chain_k, chain_v))  # [S, A, d]; k, v [S, Hkv, A, hd]
+            previous, (k, v) = self.step(x, position, keys, values, visibility,
+                                         block_prefix=(chain_k, chain_v))  # [S, A, d]; k, v [S, Hkv, A, hd]
             chain_k, chain_v = torch.cat([chain_k, k.unsqueeze(3)], 3), torch.cat([chain_v, v.unsqueeze(3)], 3)
             all_logits.append(self.logits(previous))
         return torch.stack(all_logits, dim=2)
