@@ -2,11 +2,13 @@
 
     python benchmarks/experiments/heldout_tau.py --drafter NAME=FOLDER [--drafter ...] \
         [--data data/train/smollm2-135m-instruct.jsonl] [--max-tokens 32] [--temperature 0 --temperature 1] \
-        [--output FILE.json]
+        [--domain chat] [--max-prompts 24] [--output FILE.json]
 
 For choosing a training recipe (a loss weight, say) without looking at the evaluation sets:
 the prompts are the rows `dspark-trt train` holds out by id (the ones `calibrate` uses), their
-prompt token ids as the data has them (chat template applied). Prints and writes tau and the
+prompt token ids as the data has them (chat template applied). `--domain chat --max-prompts 24
+--max-tokens 96 --temperature 0` is the nearest we have to the issue's held-out chat set (24
+prompts we never see): chat rows no drafter trained on. Prints and writes tau and the
 conditional per-position acceptance per drafter and temperature, whole block verified.
 """
 
@@ -25,6 +27,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, action="append", default=None)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--domain", default=None, help="only held-out rows of this domain (math, chat, code)")
+    parser.add_argument("--max-prompts", type=int, default=None, help="the first N held-out rows (file order)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
@@ -33,7 +37,11 @@ def main() -> int:
     from dspark_trt.training.evaluate import evaluate
     from dspark_trt.training.trainer import is_held_out
 
-    prompts = [row["prompt_ids"] for row in read_rows(args.data) if is_held_out(row["id"])]
+    rows = [row for row in read_rows(args.data)
+            if is_held_out(row["id"]) and args.domain in (None, row.get("domain"))]
+    if not rows:
+        parser.error(f"--domain {args.domain!r}: no held-out row of {args.data} has that domain")
+    prompts = [row["prompt_ids"] for row in rows[:args.max_prompts]]
     results = []
     for spec in args.drafter:
         name, _, folder = spec.partition("=")
