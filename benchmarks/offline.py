@@ -58,7 +58,7 @@ def main() -> int:
     if args.merge:
         return merge(args.output, runs, previous.get("calibration", {}), args.merge, args.max_tokens, datasets,
                      temperatures)
-    calibration, ran = {}, False
+    calibration, ran = dict(previous.get("calibration", {})), False  # reports of drafters not rerun stay
     for name, path in drafters.items():
         report = Path(path) / "calibration.json"
         if report.is_file():
