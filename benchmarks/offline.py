@@ -63,6 +63,8 @@ def main() -> int:
         report = Path(path) / "calibration.json"
         if report.is_file():
             calibration[name] = json.loads(report.read_text())
+        else:  # a report kept from an earlier sweep must not outlive the calibration it describes
+            calibration.pop(name, None)
         todo = [(d, c, t) for d, c in datasets.items() for t in temperatures
                 if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t for r in runs)]
         if not todo:

@@ -40,7 +40,8 @@ def main() -> int:
     rows = [row for row in read_rows(args.data)
             if is_held_out(row["id"]) and args.domain in (None, row.get("domain"))]
     if not rows:
-        parser.error(f"--domain {args.domain!r}: no held-out row of {args.data} has that domain")
+        parser.error(f"--domain {args.domain!r}: no held-out row of {args.data} has that domain" if args.domain
+                     else f"--data {args.data}: it has no held-out rows")
     prompts = [row["prompt_ids"] for row in rows[:args.max_prompts]]
     results = []
     for spec in args.drafter:
