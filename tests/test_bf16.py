@@ -277,12 +277,18 @@ def test_the_drafter_backbone_in_one_c_pass_matches_its_pytorch_layers(tiny_llam
 
 
 @needs_kernel
-def test_the_drafter_context_in_one_c_call_matches_its_pytorch_layers(tiny_llama):
-    """Catch-up through the C call (feature norms, projection, norm, every layer's rotated keys
-    and values written into the pool) against the PyTorch modules: same pool contents within
-    fp32 rounding, for several requests with different context lengths in one call."""
+@pytest.mark.parametrize("context_norm", [False, True])
+def test_the_drafter_context_in_one_c_call_matches_its_pytorch_layers(tiny_llama, context_norm):
+    """Catch-up through the C call (feature norms, projection, norm, each layer's own norm of the
+    context with `context_norm`, every layer's rotated keys and values written into the pool)
+    against the PyTorch modules: same pool contents within fp32 rounding, for several requests
+    with different context lengths in one call."""
     target = load_target(tiny_llama, torch.bfloat16)
-    drafter = make_drafter(target, num_layers=2).use_bf16_weights()
+    drafter = make_drafter(target, num_layers=2, context_norm=context_norm)
+    with torch.no_grad():  # per-channel scales unlike the fused context's, so the layers' norms matter
+        for layer in drafter.layers:
+            layer.attn_norm.weight.uniform_(0.2, 3.0)
+    drafter.use_bf16_weights()
     width = len(drafter.config.feature_layers) * target.config.hidden_size
     pools = []
     for run in ("torch", "kernel"):

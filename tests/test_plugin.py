@@ -20,10 +20,10 @@ def target(tiny_llama):
     return load_target(tiny_llama)
 
 
-def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated=False):
+def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated=False, context_norm=False):
     config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind="dspark" if head != "none" else "dflash",
                                       head=head, confidence=head != "none", num_layers=1, markov_rank=16,
-                                      block_size=block_size, draft_vocab_size=vocab_size,
+                                      block_size=block_size, draft_vocab_size=vocab_size, context_norm=context_norm,
                                       confidence_temperatures=[0.5, 1.0, 2.0, 3.0][:block_size] if calibrated else [])
     torch.manual_seed(0)
     # a draft vocabulary that is not the identity, so id mapping bugs show
@@ -32,6 +32,8 @@ def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated
         if drafter.sequential is not None:
             drafter.sequential.w2.weight.normal_(std=1.0)
         drafter.mask_embedding.normal_(std=0.5)
+        for layer in drafter.layers:  # per-channel scales unlike the fused context's (context_norm matters)
+            layer.attn_norm.weight.uniform_(0.2, 3.0)
         if drafter.confidence is not None:
             drafter.confidence.weight.normal_(std=0.5)
     return drafter.eval().requires_grad_(False)
@@ -49,10 +51,11 @@ def sample_feeds(target, drafter, seed=0, batch=4):
             "uniforms": torch.rand(batch, drafter.config.block_size, generator=generator)}
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
-def test_greedy_blocks_equal_the_runtime_proposer(target, head):
-    """ExportDrafter (backbone + SequentialDraft op) drafts exactly what DSparkProposer drafts."""
-    drafter = make_drafter(target, head, calibrated=True)
+@pytest.mark.parametrize("head, context_norm", [("markov", False), ("markov", True), ("rnn", False), ("none", True)])
+def test_greedy_blocks_equal_the_runtime_proposer(target, head, context_norm):
+    """ExportDrafter (backbone + SequentialDraft op) drafts exactly what DSparkProposer drafts,
+    with and without each layer's own norm of the context."""
+    drafter = make_drafter(target, head, calibrated=True, context_norm=context_norm)
     feeds = sample_feeds(target, drafter)
     feeds["temperatures"] = torch.zeros(4)
     with torch.inference_mode():

@@ -314,3 +314,49 @@ def test_train_reads_several_data_files_and_refuses_a_row_id_given_twice(tiny_ll
     assert refused.exit_code != 0 and "Traceback" not in refused.output
     assert f"in both {first} and {first}" in refused.output and rows[0]["id"] in refused.output
     assert not (tmp_path / "twice").exists()
+
+
+def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tiny_llama, dataset, tmp_path):
+    """`train` without --context-norm starts a DSpark run with `context_norm` on and records the
+    drafter's config with its checkpoints; resuming keeps it, a run checkpointed before the option
+    existed (no drafter config in its meta) resumes with it off, and asking a run to resume with
+    the other setting is refused naming the field, before any step changes its checkpoint."""
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+    from dspark_trt.training.trainer import saved_context_norm
+
+    rows, features_dir = dataset
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def train(output, *options, steps=2):
+        return CliRunner().invoke(main, ["train", "--data", str(data), "--features-dir", str(features_dir),
+                                         "--target", str(tiny_llama), "--output", str(tmp_path / output),
+                                         "--num-layers", "1", "--block-size", "4", "--draft-vocab", "1024",
+                                         "--feature-layers", ",".join(map(str, FEATURE_LAYERS)), "--steps", "4",
+                                         "--stop-at", str(steps), "--checkpoint-every", "2", "--batch-size", "2",
+                                         "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32", *options])
+
+    assert saved_context_norm(tmp_path / "new") is None
+    result = train("new")
+    assert result.exit_code == 0, result.output
+    assert saved_context_norm(tmp_path / "new") is True
+    assert json.loads((tmp_path / "new" / "drafter" / "config.json").read_text())["context_norm"] is True
+
+    refused = train("new", "--no-context-norm", steps=4)
+    assert refused.exit_code != 0 and "Traceback" not in refused.output
+    assert "context_norm = True" in refused.output
+    assert run_state.run_progress(tmp_path / "new")["step"] == 2  # nothing trained, nothing overwritten
+
+    result = train("old", "--no-context-norm")
+    assert result.exit_code == 0, result.output
+    for folder in ("state", "state-compact"):  # as a run checkpointed before the option existed
+        meta_path = tmp_path / "old" / folder / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["drafter_config"]
+        meta_path.write_text(json.dumps(meta))
+    assert saved_context_norm(tmp_path / "old") is False
+    result = train("old", steps=4)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "old" / "drafter" / "config.json").read_text())["context_norm"] is False

@@ -114,7 +114,9 @@ class ExportDrafter(nn.Module):
         x = d.mask_embedding.expand(batch, self.block_size, -1)
         x = torch.cat([d.embed[anchor_tokens][:, None], x[:, 1:]], dim=1)  # [B, G, D]
         for layer in d.layers:
-            kv = states @ layer.kv.weight.t()  # context states are not re-normalised (DraftLayer.keys_values)
+            # DSparkDrafter.context_keys_values_at: each layer's own norm of the context with `context_norm`
+            layer_states = _rms(states, layer.attn_norm.weight, self.eps) if c.context_norm else states
+            kv = layer_states @ layer.kv.weight.t()
             ck, cv = kv.view(batch, context, 2, c.num_kv_heads, c.head_dim).unbind(2)
             ck = _rope(ck, ccos, csin).transpose(1, 2)  # [B, KVH, C, HD]
             x = self._attention(layer, x, bcos, bsin, ck, cv.transpose(1, 2), visible)

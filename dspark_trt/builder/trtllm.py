@@ -51,6 +51,9 @@ def convert_state(drafter: DSparkDrafter, target_embed: torch.Tensor) -> tuple[d
     c = drafter.config
     vocab = c.target_vocab_size
     differences = ["per-layer feature RMS normalisation (only its weights are folded into fc)"]
+    if c.context_norm:
+        differences.append("each layer's own RMS norm of the context before its keys/values (context_norm) is "
+                           "dropped: TensorRT-LLM's layers read the context states as they are, so drafts accept less")
     fusion = drafter.fusion
     # fc(concat(w_i * x_i)) == (fc * concat(w_i)) (concat(x_i)): fold the per-layer norm weights.
     scale = torch.cat([norm.weight.detach() for norm in fusion.norms])  # [m*d]

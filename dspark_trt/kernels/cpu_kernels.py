@@ -103,7 +103,7 @@ class _DecoderModel(ctypes.Structure):  # decoder_model
 class _ContextModel(ctypes.Structure):  # context_model
     _fields_ = [*((name, ctypes.c_long) for name in ("num_layers", "hidden", "kv_heads", "head_dim", "num_features")),
                 ("eps", ctypes.c_float), ("feature_norms", _pointer), ("project", _pointer), ("context_norm", _pointer),
-                ("kv", ctypes.POINTER(_pointer))]
+                ("kv", ctypes.POINTER(_pointer)), ("layer_norms", _pointer)]
 
 
 class _DecoderCall(ctypes.Structure):  # decoder_call
@@ -371,15 +371,19 @@ class FusedContext:
     pool), described once for `dspark_drafter_context`. Holds what it points at."""
 
     def __init__(self, hidden: int, kv_heads: int, head_dim: int, eps: float, feature_norms: list[torch.Tensor],
-                 project: PackedWeight, context_norm: torch.Tensor, kv: list[PackedWeight]):
+                 project: PackedWeight, context_norm: torch.Tensor, kv: list[PackedWeight],
+                 layer_norms: list[torch.Tensor] | None = None):
+        """layer_norms: each layer's RMS-norm weight `[hidden]` applied to the context before its
+        keys/values (a drafter with `config.context_norm`), or None."""
         self._norms = torch.cat([w.detach().float() for w in feature_norms]).contiguous()  # [m * hidden]
         self._context_norm = context_norm.detach().float().contiguous()
+        self._layer_norms = None if layer_norms is None else torch.cat([w.detach().float() for w in layer_norms])
         self._packed = [project, *kv]  # kept alive
         self._kv = (_pointer * len(kv))(*(w.data.data_ptr() for w in kv))
         self.width = len(feature_norms) * hidden
         self._model = _ContextModel(len(kv), hidden, kv_heads, head_dim, len(feature_norms), eps,
                                     self._norms.data_ptr(), project.data.data_ptr(), self._context_norm.data_ptr(),
-                                    self._kv)
+                                    self._kv, None if self._layer_norms is None else self._layer_norms.data_ptr())
 
     def forward(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, rope_cos: torch.Tensor,
                 rope_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:

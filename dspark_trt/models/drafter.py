@@ -353,7 +353,8 @@ class DSparkDrafter(DrafterBase):
         return cpu_kernels.FusedContext(
             c.hidden_size, c.num_kv_heads, c.head_dim, c.rms_norm_eps, [n.weight for n in self.fusion.norms],
             cpu_kernels.PackedWeight(self.fusion.project.weight.t()), self.fusion.norm.weight,
-            [cpu_kernels.PackedWeight(layer.kv.weight.t()) for layer in self.layers])
+            [cpu_kernels.PackedWeight(layer.kv.weight.t()) for layer in self.layers],
+            [layer.attn_norm.weight for layer in self.layers] if c.context_norm else None)
 
     def rope_table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[>= size, head_dim]` by position (the rows `rope_tables` gives), kept between calls."""
@@ -367,7 +368,20 @@ class DSparkDrafter(DrafterBase):
     def context_keys_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer keys/values `[batch, kv_heads, n, head_dim]` of context states `[batch, n, d]`."""
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        return [layer.keys_values(context, cos, sin) for layer in self.layers]
+        return self.context_keys_values_at(context, cos, sin)
+
+    def context_keys_values_at(self, context: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`context_keys_values` with the RoPE rows given (`[..., n, 1, head_dim]`).
+
+        With `config.context_norm` each layer reads its own `attn_norm` of the context. Why: the
+        layers start as copies of the target's last layers, whose k/v projections were trained on
+        that norm's per-channel scale, while the fused context starts at unit scale; one shared
+        fusion norm cannot match two layers' scales. At block size 1, on the same batches for 300
+        steps, this alone lifted DSpark's first-slot acceptance from 0.374 to 0.415, MTP-1's level
+        (`benchmarks/experiments/dspark_variant_ab.py`, docs/training.md)."""
+        return [layer.keys_values(layer.attn_norm(context) if self.config.context_norm else context, cos, sin)
+                for layer in self.layers]
 
     def block_inputs(self, anchors: torch.Tensor, num_blocks_shape: tuple) -> torch.Tensor:
         """`[*shape, gamma, d]`: the anchor's embedding, then the mask embedding."""

@@ -38,6 +38,10 @@ class DrafterConfig:
     intermediate_size: int = 1536
     rms_norm_eps: float = 1e-5
     rope_theta: float = 100000.0
+    # Each layer's context keys/values read its own `attn_norm` of the fused context, as its block
+    # tokens' do (the layers start as copies of target layers, whose k/v projections expect that
+    # norm's per-channel scale). Drafters trained before it existed have False in effect.
+    context_norm: bool = False
     # heads
     head: str = "markov"  # sequential head: markov | rnn | none
     markov_rank: int = 256

@@ -231,7 +231,7 @@ class DSparkProposer(Proposer):
         context = drafter.fuse_features(features)  # [T, d]
         cos_table, sin_table = drafter.rope_table(int(positions.max()) + 1)  # the rows rope_tables computes
         cos, sin = cos_table[positions, None], sin_table[positions, None]  # [T, 1, head_dim]
-        per_layer = [layer.keys_values(context, cos, sin) for layer in drafter.layers]  # [kv, T, hd] each
+        per_layer = drafter.context_keys_values_at(context, cos, sin)  # [kv, T, hd] each
         offset = 0
         for slot, count in owners:
             self.pool.append(slot, [(k[:, offset : offset + count], v[:, offset : offset + count]) for k, v in per_layer])

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dspark_trt.errors import DsparkError
 from dspark_trt.models.drafter import DrafterBase
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import build_drafter, save_drafter
@@ -83,15 +84,44 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 
 def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[int, ...], head: str | None = None,
-                       block_size: int = 7, num_layers: int = 2, draft_vocab: int = 8192) -> DrafterConfig:
+                       block_size: int = 7, num_layers: int = 2, draft_vocab: int = 8192,
+                       context_norm: bool = True) -> DrafterConfig:
     """The drafter `dspark-trt train --kind KIND` builds: DSpark (Markov head and confidence head by
     default), DFlash (the same backbone, no heads), EAGLE-3-style and MTP-1 (one layer; MTP-1
-    drafts one token)."""
+    drafts one token). `context_norm` (DSpark and DFlash): each layer's own norm of the context
+    (`DSparkDrafter.context_keys_values_at`); EAGLE-3-style and MTP-1 already norm theirs."""
     return DrafterConfig.for_target(target.name, target.config, feature_layers, kind=kind,
                                     head=head or ("markov" if kind == "dspark" else "none"),
                                     confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
                                     num_layers=1 if kind in ("eagle3", "mtp1") else num_layers,
-                                    draft_vocab_size=draft_vocab)
+                                    draft_vocab_size=draft_vocab,
+                                    context_norm=context_norm and kind in ("dspark", "dflash"))
+
+
+# The drafter fields a resumed run must keep: its weights mean nothing under another shape or wiring.
+ARCHITECTURE_FIELDS = ("kind", "feature_layers", "block_size", "num_layers", "head", "markov_rank", "confidence",
+                       "draft_vocab_size", "context_norm")
+
+
+def saved_context_norm(run_dir: Path) -> bool | None:
+    """The `context_norm` a run at `run_dir` was started with: None for no run there yet, False for
+    runs checkpointed before the option existed (they did not norm their context)."""
+    meta = run_progress(run_dir)
+    if not meta:
+        return None
+    return bool(meta.get("drafter_config", {}).get("context_norm", False))
+
+
+def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> None:
+    """Refuse to resume a run's weights into a drafter of another architecture (naming the field)."""
+    if not saved:
+        return  # checkpointed before the drafter's config was saved with the run
+    current = asdict(drafter_config)
+    for name in ARCHITECTURE_FIELDS:
+        ours = list(current[name]) if isinstance(current[name], tuple) else current[name]
+        if name in saved and saved[name] != ours:
+            raise DsparkError(f"the run was started with drafter {name} = {saved[name]!r}, not {ours!r}: resume it "
+                              f"with the options it started with, or train into another --output")
 
 
 def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
@@ -174,6 +204,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     saved = load_run_state(run_dir)
     if saved is not None:  # resume
         meta, tensors = saved
+        check_same_drafter(meta.get("drafter_config"), drafter_config)
         drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
         optimizer.load_state_dict(optimizer_from_files(meta["optimizer"], tensors))
         start_step, elapsed, num_blocks = meta["step"], meta["elapsed"], meta.get("num_blocks", 0)
@@ -206,7 +237,8 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         rng_state, generator_state = sampler_state
         groups, moments = optimizer_to_files(optimizer.state_dict())
         meta = {"step": step, "elapsed": elapsed, "num_blocks": num_blocks, "rng": rng_state, "optimizer": groups,
-                "train_config": asdict(config), "device": device_description(device)}
+                "train_config": asdict(config), "drafter_config": asdict(drafter_config),
+                "device": device_description(device)}
         tensors = {**{f"drafter.{k}": v for k, v in drafter.state_dict().items()}, **moments,
                    "sampler.generator": generator_state}
         save_run_state(run_dir, meta, tensors)
