@@ -4,8 +4,9 @@ head that fixes the block's tail, plus a confidence head for the verification sc
 Backbone (DFlash-style). The block `[anchor, MASK x (gamma-1)]` sits at positions
 `p .. p+gamma-1`; slot k (1-based) predicts the token at `p + k`. Target features (outputs of
 a few target layers, each RMS-normalised, concatenated, projected to the hidden size and
-normalised again) are injected as extra keys/values in every layer: a block query sees the
-context features of positions `< p` and its own block in both directions, never other blocks.
+normalised again; with `context_norm`, then through each layer's own input norm) are injected
+as extra keys/values in every layer: a block query sees the context features of positions
+`< p` and its own block in both directions, never other blocks.
 Embedding and LM head are the target's (frozen, not stored in the checkpoint); the LM head is
 restricted to the draft vocabulary (the most frequent target tokens).
 
