@@ -10,6 +10,8 @@ from dspark_trt import LLM, DsparkError, ModelLoadError, SamplingParams
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
+from dspark_trt.models.rope import inverse_frequencies, rope_cos_sin
+from dspark_trt.models.target import rms_norm
 from dspark_trt.training.data import ensure_features, load_sequences, make_batch, read_rows
 from dspark_trt.training.run_state import run_progress
 from dspark_trt.training.datagen import DatagenConfig, generate_dataset
@@ -120,6 +122,28 @@ def test_a_block_ignores_later_context_and_other_blocks(target, dataset):
         earlier, _ = draft_logits(drafter, batch)
         assert not torch.allclose(base[0, 0], earlier[0, 0], atol=1e-3)
     assert second_anchor > first_anchor
+
+
+def test_context_norm_puts_each_layers_input_norm_on_the_context(target):
+    """With `context_norm`, layer l's context keys/values are those of `attn_norm_l(context)` (each
+    layer its own weights), which the training loss sees; without it, those of the context as is."""
+    normed, plain = (make_drafter(target, num_layers=2, context_norm=flag).eval() for flag in (True, False))
+    with torch.no_grad():
+        for layer in normed.layers:  # two different per-channel scales, neither the identity
+            layer.attn_norm.weight.uniform_(0.2, 3.0)
+        plain.load_state_dict(normed.state_dict())
+        context = torch.randn(2, 5, target.config.hidden_size)
+        positions = torch.arange(5).expand(2, 5)
+        cos, sin = (t.unsqueeze(-2) for t in rope_cos_sin(positions, inverse_frequencies(normed.config.head_dim,
+                                                                                         normed.config.rope_theta)))
+        for layer, (keys, values), (plain_keys, plain_values) in zip(
+                normed.layers, normed.context_keys_values(context, positions), plain.context_keys_values(context, positions)):
+            expected_keys, expected_values = layer.keys_values(rms_norm(context, layer.attn_norm.weight, normed.config.rms_norm_eps),
+                                                                 cos, sin)
+            assert torch.allclose(keys, expected_keys, atol=1e-5) and torch.allclose(values, expected_values, atol=1e-5)
+            unnormed_keys, unnormed_values = layer.keys_values(context, cos, sin)
+            assert torch.allclose(plain_keys, unnormed_keys, atol=1e-5)
+            assert not torch.allclose(keys, plain_keys, atol=1e-2)
 
 
 def test_loss_terms_on_a_hand_checked_case(target):

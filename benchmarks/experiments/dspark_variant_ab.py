@@ -54,7 +54,8 @@ def main(argv: list[str]) -> None:
     {"no-confidence": patch_no_confidence, "context-norm": patch_context_norm}[argv[1]]()
     from dspark_trt.cli import main as cli_main  # after the patch, which it must see
 
-    cli_main(argv[2:])
+    # context-norm: the checkpoints must record the setting the weights were trained with
+    cli_main(argv[2:] + (["--context-norm"] if argv[1] == "context-norm" else []))
 
 
 if __name__ == "__main__":
