@@ -136,13 +136,15 @@ def test_context_norm_puts_each_layers_input_norm_on_the_context(target):
         positions = torch.arange(5).expand(2, 5)
         cos, sin = (t.unsqueeze(-2) for t in rope_cos_sin(positions, inverse_frequencies(normed.config.head_dim,
                                                                                          normed.config.rope_theta)))
-        for layer, (keys, values), (plain_keys, plain_values) in zip(
-                normed.layers, normed.context_keys_values(context, positions), plain.context_keys_values(context, positions)):
-            expected_keys, expected_values = layer.keys_values(rms_norm(context, layer.attn_norm.weight, normed.config.rms_norm_eps),
-                                                                 cos, sin)
+        per_layer = zip(normed.layers, normed.context_keys_values(context, positions),
+                        plain.context_keys_values(context, positions))
+        eps = normed.config.rms_norm_eps
+        for layer, (keys, values), (plain_keys, plain_values) in per_layer:
+            expected_keys, expected_values = layer.keys_values(rms_norm(context, layer.attn_norm.weight, eps), cos, sin)
             assert torch.allclose(keys, expected_keys, atol=1e-5) and torch.allclose(values, expected_values, atol=1e-5)
             unnormed_keys, unnormed_values = layer.keys_values(context, cos, sin)
             assert torch.allclose(plain_keys, unnormed_keys, atol=1e-5)
+            assert torch.allclose(plain_values, unnormed_values, atol=1e-5)
             assert not torch.allclose(keys, plain_keys, atol=1e-2)
 
 
