@@ -19,12 +19,11 @@ Variants:
 
 context-norm won (0.415, MTP-1's level) and is now the drafter's `context_norm` (`dspark-trt train
 --context-norm`, the default for new runs), which the runtime, the C kernels and the exporters
-follow; the variant stays here as the probes and `runs/dspark-context-norm` were run through it
-(a run resumes from it with `dspark-trt train --context-norm`). no-confidence is for comparison only.
+follow; the probes and `runs/dspark-context-norm` were run through a patch here that did the
+same, and the variant now just passes `--context-norm`. no-confidence is for comparison only.
 """
 import sys
 
-from dspark_trt.models.drafter import DSparkDrafter, rope_tables
 from dspark_trt.training import losses
 
 VARIANTS = ("no-confidence", "context-norm")
@@ -40,21 +39,14 @@ def patch_no_confidence():
     losses.draft_logits = draft_logits
 
 
-def patch_context_norm():
-    def context_keys_values(self, context, positions):
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
-        return [layer.keys_values(layer.attn_norm(context), cos, sin) for layer in self.layers]
-
-    DSparkDrafter.context_keys_values = context_keys_values
-
-
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "--variant" or argv[1] not in VARIANTS:
         sys.exit(f"usage: dspark_variant_ab.py --variant {{{','.join(VARIANTS)}}} train [dspark-trt train options]")
-    {"no-confidence": patch_no_confidence, "context-norm": patch_context_norm}[argv[1]]()
+    if argv[1] == "no-confidence":
+        patch_no_confidence()
     from dspark_trt.cli import main as cli_main  # after the patch, which it must see
 
-    # context-norm: the checkpoints must record the setting the weights were trained with
+    # context-norm is built in now (`DrafterConfig.context_norm`): the variant is the flag
     cli_main(argv[2:] + (["--context-norm"] if argv[1] == "context-norm" else []))
 
 
