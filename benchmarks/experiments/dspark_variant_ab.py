@@ -17,6 +17,12 @@ Variants:
                   tokens' do (the layers start as copies of target layers, whose k/v projections
                   expect that norm's scale; the fused context starts at unit scale)
 
+  gated-markov    (a probe of the later slots, at block size 7) the Markov head's bias reads the
+                  context as well: B_k = (W1[x_{k-1}] * (1 + tanh(G h_k))) @ W2, G zero at the
+                  start, so training starts as the Markov head; a transition that depends on both
+                  the previous drafted token and the backbone's state (its bias can no longer be
+                  a cached row per token, so it would cost a W2 product per slot at decode time)
+
 context-norm won (0.415, MTP-1's level) and is now the drafter's `context_norm` (`dspark-trt train
 --context-norm`, the default for new runs), which the runtime, the C kernels and the exporters
 follow; the probes and `runs/dspark-context-norm` were run through a patch here that did the
@@ -26,7 +32,7 @@ import sys
 
 from dspark_trt.training import losses
 
-VARIANTS = ("no-confidence", "context-norm")
+VARIANTS = ("no-confidence", "context-norm", "gated-markov")
 
 
 def patch_no_confidence():
@@ -39,15 +45,41 @@ def patch_no_confidence():
     losses.draft_logits = draft_logits
 
 
+def patch_gated_markov():
+    """Training only: the patched drafter's checkpoints carry `sequential.gate`, which nothing
+    else loads; the probe is judged by its train_log.jsonl."""
+    import torch
+    from torch import nn
+
+    from dspark_trt.models import drafter as drafter_module
+    from dspark_trt.models.linear import matmul
+
+    original_init = drafter_module.MarkovHead.__init__
+
+    def __init__(self, config, vocab):
+        original_init(self, config, vocab)
+        self.gate = nn.Linear(config.hidden_size, config.markov_rank, bias=False)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, previous_embedding, hidden, state=None):
+        gated = previous_embedding * (1 + torch.tanh(self.gate(hidden)))
+        return matmul(gated, self.w2.weight.t()), None
+
+    drafter_module.MarkovHead.__init__ = __init__
+    drafter_module.MarkovHead.forward = forward
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "--variant" or argv[1] not in VARIANTS:
         sys.exit(f"usage: dspark_variant_ab.py --variant {{{','.join(VARIANTS)}}} train [dspark-trt train options]")
     if argv[1] == "no-confidence":
         patch_no_confidence()
+    if argv[1] == "gated-markov":
+        patch_gated_markov()
     from dspark_trt.cli import main as cli_main  # after the patch, which it must see
 
     # context-norm is built in now (`DrafterConfig.context_norm`): the variant is the flag
-    cli_main(argv[2:] + (["--context-norm"] if argv[1] == "context-norm" else []))
+    cli_main(argv[2:] + (["--context-norm"] if argv[1] in ("context-norm", "gated-markov") else []))
 
 
 if __name__ == "__main__":
