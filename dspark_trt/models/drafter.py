@@ -84,6 +84,7 @@ class BlockVisibility:
 
     anchor_positions: torch.Tensor  # [S, A]: context positions < p are visible to the block anchored at p
     block_size: int
+    causal: bool = False  # slot i sees only slots <= i of its block (`DrafterConfig.block_causal`)
 
 
 def block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,
@@ -109,6 +110,9 @@ def block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values:
     hidden = torch.arange(C, device=q.device) >= visibility.anchor_positions[:, None, None, :, None, None]
     context_scores = context_scores.float().masked_fill(hidden, float("-inf"))
     own_scores = torch.einsum("skgaid,skajd->skgaij", q, own_keys).float()  # [S, Hkv, g, A, G, J]
+    if visibility.causal:  # J == G here: no prefix
+        later = torch.ones(G, J, dtype=torch.bool, device=q.device).triu(1)
+        own_scores = own_scores.masked_fill(later, float("-inf"))
     probs = torch.softmax(torch.cat([context_scores, own_scores], dim=-1), dim=-1)
     context_probs, own_probs = probs.to(context_values.dtype).split([C, J], dim=-1)
     out = (torch.einsum("skgaic,skcd->skgaid", context_probs, context_values)
