@@ -193,8 +193,8 @@ def test_precision_names(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_attention_equals_the_dense_mask(target, dataset, causal):
     """Training's block-structured attention gives what the dense-mask attention gives on every
-    real block (padding anchors differ, and no loss reads them); with `causal`, what the dense
-    mask gives once each slot's later slots are hidden."""
+    real block (padding anchors differ, and no loss reads them); with `causal` (a probe's
+    pattern), what the dense mask gives once each slot's later slots are hidden."""
     from tiny_drafters import make_drafter
 
     from dspark_trt.models.drafter import BlockVisibility
@@ -322,38 +322,32 @@ def test_train_reads_several_data_files_and_refuses_a_row_id_given_twice(tiny_ll
     assert not (tmp_path / "twice").exists()
 
 
-def train_tiny_run(tiny_llama, data, features_dir, output, *options, steps):
-    """`dspark-trt train` of a tiny 1-layer drafter into `output`, 4 steps scheduled, stopping at `steps`."""
-    from click.testing import CliRunner
-
-    from dspark_trt.cli import main
-
-    return CliRunner().invoke(main, ["train", "--data", str(data), "--features-dir", str(features_dir),
-                                     "--target", str(tiny_llama), "--output", str(output),
-                                     "--num-layers", "1", "--block-size", "4", "--draft-vocab", "1024",
-                                     "--feature-layers", ",".join(map(str, FEATURE_LAYERS)), "--steps", "4",
-                                     "--stop-at", str(steps), "--checkpoint-every", "2", "--batch-size", "2",
-                                     "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32", *options])
-
-
 def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tiny_llama, dataset, tmp_path):
     """`train` without --context-norm starts a DSpark run with `context_norm` on and records the
     drafter's config with its checkpoints; resuming keeps it, a run checkpointed before the option
     existed (no drafter config in its meta) resumes with it off, and asking a run to resume with
     the other setting is refused naming the field, before any step changes its checkpoint."""
-    from dspark_trt.training.trainer import saved_drafter_flag
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+    from dspark_trt.training.trainer import saved_context_norm
 
     rows, features_dir = dataset
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
     def train(output, *options, steps=2):
-        return train_tiny_run(tiny_llama, data, features_dir, tmp_path / output, *options, steps=steps)
+        return CliRunner().invoke(main, ["train", "--data", str(data), "--features-dir", str(features_dir),
+                                         "--target", str(tiny_llama), "--output", str(tmp_path / output),
+                                         "--num-layers", "1", "--block-size", "4", "--draft-vocab", "1024",
+                                         "--feature-layers", ",".join(map(str, FEATURE_LAYERS)), "--steps", "4",
+                                         "--stop-at", str(steps), "--checkpoint-every", "2", "--batch-size", "2",
+                                         "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32", *options])
 
-    assert saved_drafter_flag(tmp_path / "new", "context_norm") is None
+    assert saved_context_norm(tmp_path / "new") is None
     result = train("new")
     assert result.exit_code == 0, result.output
-    assert saved_drafter_flag(tmp_path / "new", "context_norm") is True
+    assert saved_context_norm(tmp_path / "new") is True
     assert json.loads((tmp_path / "new" / "drafter" / "config.json").read_text())["context_norm"] is True
 
     refused = train("new", "--no-context-norm", steps=4)
@@ -368,30 +362,7 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
         meta = json.loads(meta_path.read_text())
         del meta["drafter_config"]
         meta_path.write_text(json.dumps(meta))
-    assert saved_drafter_flag(tmp_path / "old", "context_norm") is False
+    assert saved_context_norm(tmp_path / "old") is False
     result = train("old", steps=4)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "old" / "drafter" / "config.json").read_text())["context_norm"] is False
-
-
-def test_block_causal_is_kept_on_resume_and_the_other_setting_refused(tiny_llama, dataset, tmp_path):
-    """`--block-causal` is recorded with the run's drafter config, a resume without the flag keeps it,
-    and `--no-block-causal` on that run is refused naming the field."""
-    from dspark_trt.training.trainer import saved_drafter_flag
-
-    rows, features_dir = dataset
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-    def train(*options, steps):
-        return train_tiny_run(tiny_llama, data, features_dir, tmp_path / "run", *options, steps=steps)
-
-    result = train("--block-causal", steps=2)
-    assert result.exit_code == 0, result.output
-    assert saved_drafter_flag(tmp_path / "run", "block_causal") is True
-    refused = train("--no-block-causal", steps=4)
-    assert refused.exit_code != 0 and "Traceback" not in refused.output
-    assert "block_causal = True" in refused.output
-    result = train(steps=4)
-    assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["block_causal"] is True

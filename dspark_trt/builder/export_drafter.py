@@ -76,7 +76,7 @@ class ExportDrafter(nn.Module):
         return angles.cos(), angles.sin()
 
     def _attention(self, layer, x, cos, sin, context_k, context_v, visible):
-        """x `[B, G, D]`; context k/v `[B, KVH, C, HD]`; visible `[B, 1, 1 or group * G, C + G]` -> `[B, G, D]`."""
+        """x `[B, G, D]`; context k/v `[B, KVH, C, HD]`; visible `[B, 1, 1, C + G]` -> `[B, G, D]`."""
         c = self.config
         batch, block, _ = x.shape
         h = _rms(x, layer.attn_norm.weight, self.eps)
@@ -106,16 +106,10 @@ class ExportDrafter(nn.Module):
         ccos, csin = self._cos_sin(context_positions)  # [C, 1, HD]
         block_positions = context_lengths[:, None] + torch.arange(self.block_size, device=states.device)  # [B, G]
         bcos, bsin = self._cos_sin(block_positions)  # [B, G, 1, HD]
-        # A block sees the context rows before its anchor and its whole block (`block_causal`: slot i
-        # sees slots <= i, one row per query of a kv head's group, the heads stacked as in _attention).
+        # A block sees the context rows before its anchor and its whole block.
         visible = torch.cat([context_positions[None] < context_lengths[:, None],
                              torch.ones(batch, self.block_size, dtype=torch.bool, device=states.device)], dim=1)
         visible = visible[:, None, None, :]  # [B, 1, 1, C + G]
-        if c.block_causal:
-            group = c.num_heads // c.num_kv_heads
-            own = torch.ones(self.block_size, self.block_size, dtype=torch.bool, device=states.device).tril()
-            own = own.repeat(group, 1)[None, None].expand(batch, 1, -1, -1)  # [B, 1, group * G, G]
-            visible = torch.cat([visible[..., :context].expand(-1, -1, own.shape[2], -1), own], dim=-1)
 
         x = d.mask_embedding.expand(batch, self.block_size, -1)
         x = torch.cat([d.embed[anchor_tokens][:, None], x[:, 1:]], dim=1)  # [B, G, D]

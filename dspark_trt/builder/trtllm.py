@@ -54,9 +54,6 @@ def convert_state(drafter: DSparkDrafter, target_embed: torch.Tensor) -> tuple[d
     if c.context_norm:
         differences.append("each layer's own RMS norm of the context before its keys/values (context_norm) is "
                            "dropped: TensorRT-LLM's layers read the context states as they are, so drafts accept less")
-    if c.block_causal:
-        differences.append("slot i's attention to slots <= i of its block only (block_causal) becomes attention "
-                           "to the whole block: TensorRT-LLM's draft layers see it all, so drafts accept less")
     fusion = drafter.fusion
     # fc(concat(w_i * x_i)) == (fc * concat(w_i)) (concat(x_i)): fold the per-layer norm weights.
     scale = torch.cat([norm.weight.detach() for norm in fusion.norms])  # [m*d]

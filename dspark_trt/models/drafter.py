@@ -84,7 +84,7 @@ class BlockVisibility:
 
     anchor_positions: torch.Tensor  # [S, A]: context positions < p are visible to the block anchored at p
     block_size: int
-    causal: bool = False  # slot i sees only slots <= i of its block (`DrafterConfig.block_causal`)
+    causal: bool = False  # slot i sees only slots <= i of its block (a probe: dspark_variant_ab.py block-causal)
 
 
 def block_attention(q: torch.Tensor, context_keys: torch.Tensor, context_values: torch.Tensor,

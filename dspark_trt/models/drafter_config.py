@@ -42,9 +42,6 @@ class DrafterConfig:
     # tokens' do (the layers start as copies of target layers, whose k/v projections expect that
     # norm's per-channel scale). Drafters trained before it existed have False in effect.
     context_norm: bool = False
-    # Slot k of a block attends to slots 1..k of it (and the context), not to all gamma slots: slot 1
-    # then computes what a one-token drafter would, undisturbed by the mask slots after it.
-    block_causal: bool = False
     # heads
     head: str = "markov"  # sequential head: markov | rnn | none
     markov_rank: int = 256

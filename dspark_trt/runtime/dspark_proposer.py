@@ -253,14 +253,11 @@ class DSparkProposer(Proposer):
         context_kv, lengths = self.pool.gather(slots)
         max_len = context_kv[0][0].shape[2]
         # Block of request r at positions lengths[r] .. +gamma-1 (the pending token's position is
-        # its context length); it sees its own context (< its length) and its whole block (with
-        # `block_causal`, slot i its slots <= i).
+        # its context length); it sees its own context (< its length) and its whole block.
         positions = lengths[:, None] + torch.arange(gamma)  # [N, gamma]
         visible_context = torch.arange(max_len)[None] < lengths[:, None]  # [N, max_len]
-        own = torch.ones(gamma, gamma, dtype=torch.bool)
-        own = own.tril() if drafter.config.block_causal else own
         mask = torch.cat([visible_context[:, None].expand(-1, gamma, -1),
-                          own.expand(len(slots), -1, -1)], dim=-1)  # [N, gamma, ctx+gamma]
+                          torch.ones(len(slots), gamma, gamma, dtype=torch.bool)], dim=-1)  # [N, gamma, ctx+gamma]
         hidden = drafter.backbone(block, positions, context_kv, mask)  # [N, gamma, d]
         return hidden, drafter.backbone_logits(hidden)
 
@@ -268,15 +265,13 @@ class DSparkProposer(Proposer):
         """`_torch_backbone` as one C pass: each block's keys/values are written into the pool
         just past its context (scratch: the context length does not move, so the next catch-up
         overwrites them), and every block token sees keys 0 .. length + gamma - 1 of its slot,
-        i.e. its context and its whole block (with `block_causal`, slot i keys 0 .. length + i),
-        as the torch path's mask says."""
+        i.e. its context and its whole block, as the torch path's mask says."""
         drafter, gamma = self.drafter, self.block_size
         num_requests, _, d = block.shape
         lengths = torch.tensor([self.pool.lengths[s] for s in slots])
         self.pool.reserve(int(lengths.max()) + gamma)
         positions = (lengths[:, None] + torch.arange(gamma)).reshape(-1)  # [N * gamma]
-        # the kernel's default (no `visible`) is causal: each token sees keys up to its own position
-        visible = None if drafter.config.block_causal else (lengths + gamma - 1).repeat_interleave(gamma)
+        visible = (lengths + gamma - 1).repeat_interleave(gamma)
         cos, sin = drafter.rope_table(int(positions.max()) + 1)
         last_layer = (len(drafter.layers) - 1,)
         logits, states = fused.forward(block.reshape(-1, d).contiguous(), self.pool.keys, self.pool.values,

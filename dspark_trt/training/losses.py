@@ -53,7 +53,7 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
     C = context.shape[1]
     context_kv = drafter.context_keys_values(context, torch.arange(C, device=context.device).expand(S, C))
     block = drafter.block_inputs(batch.anchor_tokens, (S, A)).reshape(S, A * G, -1)
-    visibility = BlockVisibility(batch.block_positions[:, ::G], G, causal=drafter.config.block_causal)
+    visibility = BlockVisibility(batch.block_positions[:, ::G], G)  # each block's anchor position
     hidden = drafter.backbone(block, batch.block_positions, context_kv, visibility).view(S, A, G, -1)
     logits = drafter.backbone_logits(hidden)
     bias, confidence = drafter.teacher_forced_heads(hidden, drafter.to_draft[batch.previous_tokens])

@@ -85,33 +85,31 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[int, ...], head: str | None = None,
                        block_size: int = 7, num_layers: int = 2, draft_vocab: int = 8192,
-                       context_norm: bool = True, block_causal: bool = False) -> DrafterConfig:
+                       context_norm: bool = True) -> DrafterConfig:
     """The drafter `dspark-trt train --kind KIND` builds: DSpark (Markov head and confidence head by
     default), DFlash (the same backbone, no heads), EAGLE-3-style and MTP-1 (one layer; MTP-1
     drafts one token). `context_norm` (DSpark and DFlash): each layer's own norm of the context
-    (`DSparkDrafter.context_keys_values_at`); EAGLE-3-style and MTP-1 already norm theirs.
-    `block_causal` (DSpark and DFlash): slot k sees slots 1..k of its block (`DrafterConfig.block_causal`)."""
+    (`DSparkDrafter.context_keys_values_at`); EAGLE-3-style and MTP-1 already norm theirs."""
     return DrafterConfig.for_target(target.name, target.config, feature_layers, kind=kind,
                                     head=head or ("markov" if kind == "dspark" else "none"),
                                     confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
                                     num_layers=1 if kind in ("eagle3", "mtp1") else num_layers,
                                     draft_vocab_size=draft_vocab,
-                                    context_norm=context_norm and kind in ("dspark", "dflash"),
-                                    block_causal=block_causal and kind in ("dspark", "dflash"))
+                                    context_norm=context_norm and kind in ("dspark", "dflash"))
 
 
 # The drafter fields a resumed run must keep: its weights mean nothing under another shape or wiring.
 ARCHITECTURE_FIELDS = ("kind", "feature_layers", "block_size", "num_layers", "head", "markov_rank", "confidence",
-                       "draft_vocab_size", "context_norm", "block_causal")
+                       "draft_vocab_size", "context_norm")
 
 
-def saved_drafter_flag(run_dir: Path, name: str) -> bool | None:
-    """The drafter flag `name` (`context_norm`, `block_causal`) a run at `run_dir` was started with:
-    None for no run there yet, False for runs checkpointed before the flag existed (they ran without it)."""
+def saved_context_norm(run_dir: Path) -> bool | None:
+    """The `context_norm` a run at `run_dir` was started with: None for no run there yet, False for
+    runs checkpointed before the option existed (they did not norm their context)."""
     meta = run_progress(run_dir)
     if not meta:
         return None
-    return bool(meta.get("drafter_config", {}).get(name, False))
+    return bool(meta.get("drafter_config", {}).get("context_norm", False))
 
 
 def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> None:
@@ -308,8 +306,6 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
     context = " (each norms the target context with its own input norm: `context_norm`)" if c.context_norm else ""
-    if c.block_causal:
-        context += " (slot k attends to slots 1..k of its block: `block_causal`)"
     return f"""# {c.kind} drafter for {c.target_name}
 
 - kind: `{c.kind}`, sequential head: `{c.head}`, confidence head: {c.confidence}, block size {c.block_size},
