@@ -174,6 +174,10 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 @click.option("--context-norm/--no-context-norm", default=None,
               help="DSpark/DFlash: each backbone layer norms the target context with its own input norm before "
                    "its keys/values (default: on for a new run; a resumed run keeps what it started with).")
+@click.option("--prefix-layer/--no-prefix-layer", default=None,
+              help="DSpark: a causal layer over the drafted prefix corrects each slot before the LM head, so later "
+                   "slots know the tokens drafted before them (default: off for a new run; a resumed run keeps what "
+                   "it started with). Not exported to ONNX/TensorRT yet.")
 @click.option("--steps", type=int, default=2000, show_default=True)
 @click.option("--stop-at", type=int, default=None, help="Stop (resumably) at this step of the schedule.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
@@ -195,15 +199,15 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
               help="Steps between checkpoints (weights, optimizer, samplers: a stopped run resumes from the last).")
 @device_option("to train and compute missing features")
 def train(data_paths, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
-          context_norm, steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, precision, features_dtype,
-          compile_loss, checkpoint_every, device):
+          context_norm, prefix_layer, steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, precision,
+          features_dtype, compile_loss, checkpoint_every, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import (LAZY_FEATURES_ABOVE, FeatureSource, ensure_features, features_target,
                                           lazy_sequences, load_sequences, read_datasets)
     from dspark_trt.training.trainer import (TrainConfig, build_draft_vocab, drafter_config_for, is_held_out,
-                                             resolve_precision, saved_context_norm, train_drafter)
+                                             resolve_precision, saved_drafter_flag, train_drafter)
 
     device = parse_device(device)
     loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
@@ -220,9 +224,11 @@ def train(data_paths, features_dir, target, output, kind, head, block_size, num_
         ensure_features(feature_computer, rows, features_dir, layers)
         sequences = load_sequences(rows, features_dir)
     if context_norm is None:  # a new run norms its context; a resumed one keeps what it started with
-        context_norm = saved_context_norm(output) is not False
+        context_norm = saved_drafter_flag(output, "context_norm") is not False
+    if prefix_layer is None:  # off for a new run until it has been judged at full budget; a resume keeps it
+        prefix_layer = saved_drafter_flag(output, "prefix_layer") is True
     config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
-                                draft_vocab=draft_vocab, context_norm=context_norm)
+                                draft_vocab=draft_vocab, context_norm=context_norm, prefix_layer=prefix_layer)
     vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
                                learning_rate=lr, seed=seed, slot_decay=slot_decay, checkpoint_every=checkpoint_every,

@@ -187,6 +187,7 @@ def test_loss_terms_on_a_hand_checked_case(target):
 
 
 ALL_KINDS = [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none"), ("mtp1", "none")]
+PREFIX = {"prefix_layer": True}  # DSpark with the prefix layer (`PrefixLayer`), Markov head
 
 
 @pytest.mark.parametrize("kind, head", ALL_KINDS)
@@ -232,9 +233,9 @@ def test_training_resumes_from_its_checkpoint(target, dataset, tmp_path):
                       tmp_path / "b", progress=False)
 
 
-@pytest.mark.parametrize("kind, head", ALL_KINDS)
-def test_greedy_speculative_decoding_with_a_drafter_equals_plain(tiny_llama, target, tmp_path, kind, head):
-    drafter = make_drafter(target, kind=kind, head=head)
+@pytest.mark.parametrize("kind, head, options", [(k, h, {}) for k, h in ALL_KINDS] + [("dspark", "markov", PREFIX)])
+def test_greedy_speculative_decoding_with_a_drafter_equals_plain(tiny_llama, target, tmp_path, kind, head, options):
+    drafter = make_drafter(target, kind=kind, head=head, **options)
     save_drafter(drafter, tmp_path / "drafter")
     prompts = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -285,13 +286,14 @@ def test_proposer_context_follows_the_target_cache(tiny_llama, target, tmp_path)
     assert request.request_id not in proposer.pool.slot_of
 
 
-def test_batched_drafting_equals_drafting_alone(target, tmp_path):
+@pytest.mark.parametrize("options", [{}, PREFIX])
+def test_batched_drafting_equals_drafting_alone(target, tmp_path, options):
     """Requests of different context lengths drafted in one batch get the blocks (and confidences)
     they get when drafted one at a time: padding and masks leak nothing between requests."""
     from dspark_trt.runtime.dspark_proposer import DSparkProposer
     from dspark_trt.runtime.request import Request
 
-    drafter = make_drafter(target).eval()
+    drafter = make_drafter(target, **options).eval()
     width = len(drafter.config.feature_layers) * target.config.hidden_size
     generator = torch.Generator().manual_seed(3)
 
@@ -354,19 +356,20 @@ def test_draft_linear_inference_path_equals_the_training_path():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn"])
-def test_dspark_proposer_drafts_what_training_trains(target, dataset, head):
+@pytest.mark.parametrize("head, options", [("markov", {}), ("rnn", {}), ("markov", PREFIX)])
+def test_dspark_proposer_drafts_what_training_trains(target, dataset, head, options):
     """The proposer's block (every slot's distribution and confidence) equals the training
     forward's at the same anchor, teacher-forced on the tokens the proposer drew: context
-    positions, RoPE, masks and the sequential head's state agree between the two paths, so
-    what the loss optimises is what decoding gets."""
+    positions, RoPE, masks and the sequential head's state (and the prefix layer's, slot by slot
+    against all slots at once) agree between the two paths, so what the loss optimises is what
+    decoding gets."""
     from dspark_trt.runtime.dspark_proposer import DSparkProposer
     from dspark_trt.runtime.request import Request
     from dspark_trt.training.data import Sequence
 
     _, sequences = dataset
     seq = next(s for s in sequences if s.token_ids.numel() >= s.prompt_length + 12)
-    drafter = make_drafter(target, head=head).eval()
+    drafter = make_drafter(target, head=head, **options).eval()
     gamma, width = drafter.config.block_size, len(FEATURE_LAYERS) * target.config.hidden_size
     p = seq.prompt_length + 3  # the pending token's position: the block's anchor
     request = Request("r", seq.token_ids[: seq.prompt_length].tolist(), SamplingParams(temperature=1.0),
@@ -511,3 +514,19 @@ def test_commands_refuse_a_device_they_cannot_use(tmp_path, command, device, mes
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     assert "--device" in result.output
     assert not (tmp_path / "run").exists()  # refused before anything was loaded or written
+
+
+def test_prefix_layer_is_dspark_only_and_never_dropped_silently(target):
+    """The prefix layer belongs to DSpark; our ONNX/TensorRT export has no prefix layer yet, so it
+    refuses such a drafter naming the field, and the TensorRT-LLM layout lists what it drops."""
+    from dspark_trt.builder.export_drafter import ExportDrafter
+    from dspark_trt.builder.trtllm import convert_state
+
+    with pytest.raises(ModelLoadError, match="prefix_layer"):
+        DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind="dflash", head="none", prefix_layer=True)
+    drafter = make_drafter(target, **PREFIX)
+    with pytest.raises(DsparkError, match="prefix_layer = true"):
+        ExportDrafter(drafter)
+    _, _, differences = convert_state(drafter, target.model.embed)
+    assert any("prefix layer" in d for d in differences)
+    assert not any("prefix layer" in d for d in convert_state(make_drafter(target), target.model.embed)[2])

@@ -330,7 +330,7 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
     from click.testing import CliRunner
 
     from dspark_trt.cli import main
-    from dspark_trt.training.trainer import saved_context_norm
+    from dspark_trt.training.trainer import saved_drafter_flag
 
     rows, features_dir = dataset
     data = tmp_path / "rows.jsonl"
@@ -344,10 +344,10 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
                                          "--stop-at", str(steps), "--checkpoint-every", "2", "--batch-size", "2",
                                          "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32", *options])
 
-    assert saved_context_norm(tmp_path / "new") is None
+    assert saved_drafter_flag(tmp_path / "new", "context_norm") is None
     result = train("new")
     assert result.exit_code == 0, result.output
-    assert saved_context_norm(tmp_path / "new") is True
+    assert saved_drafter_flag(tmp_path / "new", "context_norm") is True
     assert json.loads((tmp_path / "new" / "drafter" / "config.json").read_text())["context_norm"] is True
 
     refused = train("new", "--no-context-norm", steps=4)
@@ -362,7 +362,18 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
         meta = json.loads(meta_path.read_text())
         del meta["drafter_config"]
         meta_path.write_text(json.dumps(meta))
-    assert saved_context_norm(tmp_path / "old") is False
+    assert saved_drafter_flag(tmp_path / "old", "context_norm") is False
     result = train("old", steps=4)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "old" / "drafter" / "config.json").read_text())["context_norm"] is False
+
+    # --prefix-layer: off for a new run unless asked; a resumed run keeps what it started with
+    assert json.loads((tmp_path / "new" / "drafter" / "config.json").read_text())["prefix_layer"] is False
+    result = train("prefix", "--prefix-layer")
+    assert result.exit_code == 0, result.output
+    assert saved_drafter_flag(tmp_path / "prefix", "prefix_layer") is True
+    result = train("prefix", steps=4)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "prefix" / "drafter" / "config.json").read_text())["prefix_layer"] is True
+    refused = train("prefix", "--no-prefix-layer", steps=4)
+    assert refused.exit_code != 0 and "Traceback" not in refused.output and "prefix_layer = True" in refused.output

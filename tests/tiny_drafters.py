@@ -19,6 +19,8 @@ def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=
     with torch.no_grad():  # non-zero sequential head so that it matters in the tests
         if getattr(drafter, "sequential", None) is not None:
             drafter.sequential.w2.weight.normal_(std=0.5)
+        if getattr(drafter, "prefix", None) is not None:  # its output projection starts at zero
+            drafter.prefix.out.weight.normal_(std=0.5)
     return drafter
 
 

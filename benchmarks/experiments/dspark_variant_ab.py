@@ -29,16 +29,33 @@ Variants:
                   size 1 reached slot-1 acceptance 0.415 against 7-slot DSpark's 0.396 on the
                   same batches). A training-only patch of the loss's attention pattern.
 
+  prefix-forced   (a ceiling for a second pass over the drafted block, at block size 7) block-causal,
+                  and slot k's input is the embedding of the true token before it (the anchor for
+                  slot 1) instead of the mask embedding: the backbone then predicts each slot's
+                  token from the true prefix, as EAGLE-3-style's teacher-forced steps do. Slot k
+                  only counts when slots 1..k-1 were accepted, that is equal to the true prefix,
+                  so its acceptance here bounds what a pass that reads pass 1's drafts could reach
+                  (and is what the backbone would reach drafting autoregressively, seven passes).
+                  Training only: its drafts need the true tokens.
+
+  layer-head      (a head that reads the whole drafted prefix, at block size 7) a causal layer over
+                  the drafted prefix after the backbone, as the `prefix-forced` probe asked for:
+                  now the drafter's `prefix_layer` (`dspark-trt train --prefix-layer`, `PrefixLayer`
+                  in models/drafter.py), which the variant passes. The 300-step probe ran through a
+                  patch here with the same parameters under other names (`head_in`, `head_layer`,
+                  ...), and `runs/dspark-prefix-layer` continues it under the option's names.
+
 context-norm won (0.415, MTP-1's level) and is now the drafter's `context_norm` (`dspark-trt train
 --context-norm`, the default for new runs), which the runtime, the C kernels and the exporters
 follow; the probes and `runs/dspark-context-norm` were run through a patch here that did the
 same, and the variant now just passes `--context-norm`. no-confidence is for comparison only.
 """
+
 import sys
 
 from dspark_trt.training import losses
 
-VARIANTS = ("no-confidence", "context-norm", "gated-markov", "block-causal")
+VARIANTS = ("no-confidence", "context-norm", "gated-markov", "block-causal", "prefix-forced", "layer-head")
 
 
 def patch_no_confidence():
@@ -83,6 +100,22 @@ def patch_block_causal():
     losses.BlockVisibility = functools.partial(losses.BlockVisibility, causal=True)
 
 
+def patch_prefix_forced():
+    """Training only, on top of block-causal: each slot reads the true previous token's embedding
+    (`batch.previous_tokens`, the tokens the Markov head is teacher-forced with) in the loss."""
+    patch_block_causal()
+    original = losses.draft_logits
+
+    def draft_logits(drafter, batch):
+        drafter.block_inputs = lambda anchors, shape: drafter.embed[batch.previous_tokens]  # [S, A, gamma, d]
+        try:
+            return original(drafter, batch)
+        finally:
+            del drafter.block_inputs  # back to the class's method
+
+    losses.draft_logits = draft_logits
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "--variant" or argv[1] not in VARIANTS:
         sys.exit(f"usage: dspark_variant_ab.py --variant {{{','.join(VARIANTS)}}} train [dspark-trt train options]")
@@ -92,10 +125,13 @@ def main(argv: list[str]) -> None:
         patch_gated_markov()
     if argv[1] == "block-causal":
         patch_block_causal()
+    if argv[1] == "prefix-forced":
+        patch_prefix_forced()
     from dspark_trt.cli import main as cli_main  # after the patch, which it must see
 
     # context-norm is built in now (`DrafterConfig.context_norm`): the variant is the flag
-    cli_main(argv[2:] + (["--context-norm"] if argv[1] in ("context-norm", "gated-markov", "block-causal") else []))
+    flags = ["--context-norm"] if argv[1] != "no-confidence" else []
+    cli_main(argv[2:] + flags + (["--prefix-layer"] if argv[1] == "layer-head" else []))
 
 
 if __name__ == "__main__":

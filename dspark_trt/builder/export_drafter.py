@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_trt.errors import DsparkError
 from dspark_trt.models.drafter import DSparkDrafter, RNNHead
 from dspark_trt.plugins import sequential_draft as sd
 
@@ -50,6 +51,9 @@ class ExportDrafter(nn.Module):
         if drafter.embed is None:
             raise ValueError("attach the target (drafter.attach_target) before exporting the drafter")
         c = drafter.config
+        if c.prefix_layer:
+            raise DsparkError("drafter prefix_layer = true: the ONNX/TensorRT drafter (and its SequentialDraft "
+                              "plugin) has no prefix layer yet; serve this drafter with the PyTorch engine")
         self.config, self.drafter, self.use_plugin = c, drafter, use_plugin
         self.block_size, self.eps = c.block_size, c.rms_norm_eps
         self.head = sd.HEAD_CODES[c.head]

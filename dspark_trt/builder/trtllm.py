@@ -54,6 +54,9 @@ def convert_state(drafter: DSparkDrafter, target_embed: torch.Tensor) -> tuple[d
     if c.context_norm:
         differences.append("each layer's own RMS norm of the context before its keys/values (context_norm) is "
                            "dropped: TensorRT-LLM's layers read the context states as they are, so drafts accept less")
+    if c.prefix_layer:
+        differences.append("the prefix layer (a causal layer over the drafted prefix before the LM head) is dropped: "
+                           "TensorRT-LLM's drafter drafts the block in one pass, so later slots accept less")
     fusion = drafter.fusion
     # fc(concat(w_i * x_i)) == (fc * concat(w_i)) (concat(x_i)): fold the per-layer norm weights.
     scale = torch.cat([norm.weight.detach() for norm in fusion.norms])  # [m*d]

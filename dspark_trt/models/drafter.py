@@ -15,6 +15,9 @@ Sequential head. `p_k = softmax(U_k + B_k)` with `U_k` the backbone logits and
 `s_k = GRU([W1[x_{k-1}]; h_k], s_{k-1})` (RNN). `x_0` is the anchor. Every `p_k` is an exact
 softmax, so rejection sampling against it stays exact.
 
+Prefix layer (optional, `prefix_layer`). A causal layer over the drafted prefix that corrects
+`h_k` before the LM head, slot by slot as the sequential head runs: `PrefixLayer`.
+
 Confidence head. `c_k = sigmoid(w . [h_k; W1[x_{k-1}]])`: the probability that draft token k
 survives verification given that tokens 1..k-1 did. It never looks at `x_k` itself, which is
 what lets the scheduler use it without breaking losslessness.
@@ -210,6 +213,64 @@ class RNNHead(nn.Module):
         return self.w2(state), state
 
 
+class PrefixLayer(nn.Module):
+    """A causal layer over the block's drafted prefix (`DrafterConfig.prefix_layer`).
+
+    Slot k reads u_k = P [h_k; norm(E[x_{k-1}])] (its backbone state and the target embedding of
+    the token before it) and attends to u_1..u_k of its own block only, never the context, which
+    h_k already carries. Its output corrects the slot's state before the LM head:
+        h'_k = h_k + O norm(layer(u)_k),    p_k = softmax(U(h'_k) + B_k)
+    O starts at zero, so training starts as the drafter without it. Every `p_k` is still an exact
+    softmax over the draft vocabulary, so verification stays lossless.
+
+    Why: the parallel backbone drafts slot k from mask inputs, knowing none of the tokens drafted
+    before it; the Markov head adds only the previous token's bias. Slot k only matters when
+    slots 1..k-1 were accepted, i.e. when the drafted prefix is the true one, and with the true
+    prefix as the backbone's input (`benchmarks/experiments/dspark_variant_ab.py --variant
+    prefix-forced`) its acceptance stayed flat along the block like EAGLE-3-style's, where
+    DSpark's fell from slot 1 to 7 (docs/training.md). This layer brings the prefix in after the
+    one parallel pass, slot by slot as the Markov head runs, at one small layer per slot.
+    """
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        d = config.hidden_size
+        # (registration order is the parameters' order in a run's optimizer state: keep it)
+        self.embedding_norm = RMSNorm(d, config.rms_norm_eps)
+        self.project = DraftLinear(2 * d, d, bias=False)
+        self.layer = DraftLayer(config)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.out = DraftLinear(d, d, bias=False)
+        nn.init.zeros_(self.out.weight)
+
+    def _inputs(self, hidden: torch.Tensor, previous_embedding: torch.Tensor) -> torch.Tensor:
+        return self.project(torch.cat([hidden, self.embedding_norm(previous_embedding.to(hidden.dtype))], dim=-1))
+
+    def _no_context(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(like.shape[0], self.layer.num_kv_heads, 0, self.layer.head_dim)
+
+    def teacher_forced(self, hidden: torch.Tensor, previous_embedding: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Training, whole blocks at once: hidden and the true previous tokens' embeddings
+        `[S, A * gamma, d]`, RoPE rows of the block positions, anchors `[S, A]` -> corrections
+        `[S, A * gamma, d]` (slot k sees slots 1..k of its block)."""
+        u = self._inputs(hidden, previous_embedding)
+        none = self._no_context(u)
+        states = self.layer(u, cos, sin, none, none, BlockVisibility(anchor_positions, block_size, causal=True))
+        return self.out(self.norm(states))
+
+    def step(self, hidden: torch.Tensor, previous_embedding: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Drafting, slot k of N blocks: hidden and x_{k-1}'s embedding `[N, d]`, RoPE rows
+        `[N, 1, 1, head_dim]`, the keys/values of slots 1..k-1 (None at k = 1) -> correction
+        `[N, d]` and the keys/values of slots 1..k (what `teacher_forced` computes, slot by slot)."""
+        u = self._inputs(hidden, previous_embedding)[:, None]  # [N, 1, d]
+        keys, values = cache if cache is not None else (self._no_context(u), self._no_context(u))
+        states, (own_keys, own_values) = self.layer(u, cos, sin, keys, values, None, return_kv=True)
+        cache = (torch.cat([keys, own_keys], dim=2), torch.cat([values, own_values], dim=2))
+        return self.out(self.norm(states[:, 0])), cache
+
+
 class DrafterBase(nn.Module):
     """What every drafter has: the draft vocabulary, feature fusion, a final norm, and the
     target's embedding and LM head (borrowed, frozen, never saved)."""
@@ -308,6 +369,7 @@ class DSparkDrafter(DrafterBase):
             self.sequential = RNNHead(config, vocab_size)
         if config.confidence:
             self.confidence = nn.Linear(d + config.markov_rank, 1)
+        self.prefix = PrefixLayer(config) if config.prefix_layer else None
         self._fused_backbone = DerivedFromWeights()  # cpu_kernels.FusedDecoder (`kernel_backbone`)
         self._fused_context = DerivedFromWeights()  # cpu_kernels.FusedContext (`kernel_context`)
         self._rope = (torch.empty(0), torch.empty(0))

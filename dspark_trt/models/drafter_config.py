@@ -44,6 +44,9 @@ class DrafterConfig:
     context_norm: bool = False
     # heads
     head: str = "markov"  # sequential head: markov | rnn | none
+    # DSpark: a causal layer over the drafted prefix corrects each slot's state before the LM head
+    # (`PrefixLayer`); False for drafters trained before it existed.
+    prefix_layer: bool = False
     markov_rank: int = 256
     confidence: bool = True
     draft_vocab_size: int = 8192  # most frequent target tokens the drafter can propose (0 = all)
@@ -56,6 +59,8 @@ class DrafterConfig:
             raise ModelLoadError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)}, got {self.kind!r}")
         if self.head not in HEAD_TYPES:
             raise ModelLoadError(f"drafter head must be one of {', '.join(HEAD_TYPES)}, got {self.head!r}")
+        if self.prefix_layer and self.kind != "dspark":
+            raise ModelLoadError(f"prefix_layer is a DSpark drafter's part, not a {self.kind} drafter's")
         if self.block_size < 1:
             raise ModelLoadError(f"block_size must be >= 1, got {self.block_size}")
 

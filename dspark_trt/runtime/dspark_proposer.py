@@ -11,6 +11,7 @@ requests' blocks are drafted in one batched backbone pass:
     U = hidden @ LM head (draft vocabulary)                                        [N, gamma, V_d]
     for k in 1..gamma:                      # the sequential head, left to right, batched over N
         p_k = softmax((U_k + B(x_{k-1})) / T)    x_k = argmax p_k  (T = 0)  or  x_k ~ p_k
+        (with a prefix layer, U_k += U(PrefixLayer.step(h_k, x_{k-1}, slots < k)) first)
     c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
 
 With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM
@@ -301,16 +302,26 @@ class DSparkProposer(Proposer):
 
         anchor_ids = drafter.to_draft[anchors]  # [N] draft-vocab ids of the anchors (x_0)
         previous = anchor_ids  # [N] draft-vocab ids of x_{k-1}
+        if drafter.prefix is not None:  # block positions: each request's context length onwards
+            lengths = torch.tensor([self.pool.lengths[s] for s in slots])
+            cos_table, sin_table = drafter.rope_table(int(lengths.max()) + gamma)
+        prefix_cache, previous_tokens = None, anchors  # the prefix layer's keys/values; target ids of x_{k-1}
         chosen, distributions, state = [], [], None
         for k in range(gamma):
             bias, state = self._head_bias(hidden[:, k], previous, state)
             logits = backbone_logits[:, k]  # [N, V_d]
             if bias is not None:
                 logits.add_(bias)  # in place: U_k is not needed again
+            if drafter.prefix is not None:  # U(h_k + correction) = U_k + U(correction): the LM head is linear
+                rows = lengths + k
+                correction, prefix_cache = drafter.prefix.step(
+                    hidden[:, k], drafter.embed[previous_tokens], cos_table[rows][:, None, None],
+                    sin_table[rows][:, None, None], prefix_cache)
+                logits.add_(drafter.lm_head_logits(correction))
             choice, probs = draw_tokens(logits, requests)
             chosen.append(choice)
             distributions.append(probs)
-            previous = choice
+            previous, previous_tokens = choice, drafter.draft_vocab[choice]
         draft_ids = torch.stack(chosen, 1)  # [N, gamma]
         previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.

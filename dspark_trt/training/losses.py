@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark_trt.models.drafter import BlockVisibility, DrafterBase
+from dspark_trt.models.drafter import BlockVisibility, DrafterBase, rope_tables
 from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.target import rms_norm
 from dspark_trt.training.data import Batch
@@ -54,9 +54,14 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
     context_kv = drafter.context_keys_values(context, torch.arange(C, device=context.device).expand(S, C))
     block = drafter.block_inputs(batch.anchor_tokens, (S, A)).reshape(S, A * G, -1)
     visibility = BlockVisibility(batch.block_positions[:, ::G], G)  # each block's anchor position
-    hidden = drafter.backbone(block, batch.block_positions, context_kv, visibility).view(S, A, G, -1)
-    logits = drafter.backbone_logits(hidden)
-    bias, confidence = drafter.teacher_forced_heads(hidden, drafter.to_draft[batch.previous_tokens])
+    hidden = drafter.backbone(block, batch.block_positions, context_kv, visibility)  # [S, A * G, d]
+    corrected = hidden
+    if drafter.prefix is not None:  # slot k reads the true tokens before it: those it is judged after
+        previous = drafter.embed[batch.previous_tokens].reshape(S, A * G, -1)
+        cos, sin = rope_tables(batch.block_positions, drafter.config.head_dim, drafter.config.rope_theta)
+        corrected = hidden + drafter.prefix.teacher_forced(hidden, previous, cos, sin, visibility.anchor_positions, G)
+    logits = drafter.backbone_logits(corrected.view(S, A, G, -1))
+    bias, confidence = drafter.teacher_forced_heads(hidden.view(S, A, G, -1), drafter.to_draft[batch.previous_tokens])
     return (logits if bias is None else logits + bias), confidence
 
 

@@ -85,31 +85,36 @@ def resolve_precision(name: str, device: torch.device) -> str:
 
 def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[int, ...], head: str | None = None,
                        block_size: int = 7, num_layers: int = 2, draft_vocab: int = 8192,
-                       context_norm: bool = True) -> DrafterConfig:
+                       context_norm: bool = True, prefix_layer: bool = False) -> DrafterConfig:
     """The drafter `dspark-trt train --kind KIND` builds: DSpark (Markov head and confidence head by
     default), DFlash (the same backbone, no heads), EAGLE-3-style and MTP-1 (one layer; MTP-1
     drafts one token). `context_norm` (DSpark and DFlash): each layer's own norm of the context
-    (`DSparkDrafter.context_keys_values_at`); EAGLE-3-style and MTP-1 already norm theirs."""
+    (`DSparkDrafter.context_keys_values_at`); EAGLE-3-style and MTP-1 already norm theirs.
+    `prefix_layer` (DSpark only): a causal layer over the drafted prefix (`PrefixLayer`)."""
+    if prefix_layer and kind != "dspark":
+        raise DsparkError(f"--prefix-layer is a DSpark drafter's part, not a {kind} drafter's")
     return DrafterConfig.for_target(target.name, target.config, feature_layers, kind=kind,
                                     head=head or ("markov" if kind == "dspark" else "none"),
                                     confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
                                     num_layers=1 if kind in ("eagle3", "mtp1") else num_layers,
                                     draft_vocab_size=draft_vocab,
-                                    context_norm=context_norm and kind in ("dspark", "dflash"))
+                                    context_norm=context_norm and kind in ("dspark", "dflash"),
+                                    prefix_layer=prefix_layer)
 
 
 # The drafter fields a resumed run must keep: its weights mean nothing under another shape or wiring.
 ARCHITECTURE_FIELDS = ("kind", "feature_layers", "block_size", "num_layers", "head", "markov_rank", "confidence",
-                       "draft_vocab_size", "context_norm")
+                       "draft_vocab_size", "context_norm", "prefix_layer")
 
 
-def saved_context_norm(run_dir: Path) -> bool | None:
-    """The `context_norm` a run at `run_dir` was started with: None for no run there yet, False for
-    runs checkpointed before the option existed (they did not norm their context)."""
+def saved_drafter_flag(run_dir: Path, name: str) -> bool | None:
+    """The on/off drafter option `name` (`context_norm`, `prefix_layer`) a run at `run_dir` was
+    started with: None for no run there yet, False for runs checkpointed before the option existed
+    (they were trained without it)."""
     meta = run_progress(run_dir)
     if not meta:
         return None
-    return bool(meta.get("drafter_config", {}).get("context_norm", False))
+    return bool(meta.get("drafter_config", {}).get(name, False))
 
 
 def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> None:
@@ -306,6 +311,8 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
     context = " (each norms the target context with its own input norm: `context_norm`)" if c.context_norm else ""
+    if c.prefix_layer:
+        context += ", then a causal layer over the drafted prefix before the LM head (`prefix_layer`)"
     return f"""# {c.kind} drafter for {c.target_name}
 
 - kind: `{c.kind}`, sequential head: `{c.head}`, confidence head: {c.confidence}, block size {c.block_size},
