@@ -1,5 +1,9 @@
 """What the sequential head costs: DSpark drafter latency per block with and without it.
 
+The head here is every part that runs slot by slot: the Markov (or RNN) head and, where the
+drafter has one, the prefix layer (`--prefix-layer`); without them, slots read straight from the
+backbone logits.
+
     python benchmarks/drafter_latency.py [--drafter default] [--dataset gsm8k] [--num-prompts 5]
                                          [--max-tokens 64]
 
@@ -41,7 +45,7 @@ def main() -> int:
     llm = LLM(target="default", drafter=args.drafter, dtype=args.dtype, policy="all")  # every step drafts
     proposer = llm.engine.proposer
     drafter = proposer.drafter
-    head = drafter.sequential
+    head, prefix = drafter.sequential, drafter.prefix
     propose = proposer.propose
     times = {"with_head": [], "without_head": []}
 
@@ -51,13 +55,13 @@ def main() -> int:
         if len(times["with_head"]) % 2:
             names.reverse()
         for name in names:
-            drafter.sequential = head if name == "with_head" else None
+            drafter.sequential, drafter.prefix = (head, prefix) if name == "with_head" else (None, None)
             start = time.perf_counter()
             drafts = propose(requests)
             times[name].append(time.perf_counter() - start)
             if name == "with_head":  # the head-less block (and its confidences) is dropped
                 kept_drafts = drafts
-        drafter.sequential = head
+        drafter.sequential, drafter.prefix = head, prefix
         return kept_drafts
 
     proposer.propose = timed_propose
@@ -71,7 +75,7 @@ def main() -> int:
 
     with_head, without = per_block("with_head"), per_block("without_head")
     result = {"drafter": args.drafter, "dtype": llm.dtype, "block_size": drafter.config.block_size,
-              "head": drafter.config.head,
+              "head": drafter.config.head, "prefix_layer": drafter.config.prefix_layer,
               "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
               "num_blocks": len(times["with_head"]), "with_head": with_head, "without_head": without,
               "head_overhead": with_head["mean_ms"] / without["mean_ms"] - 1,
@@ -79,8 +83,9 @@ def main() -> int:
               "torch_threads": torch.get_num_threads()}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
+    parts = f"{result['head']} head" + (" and prefix layer" if prefix is not None else "")
     print(f"{result['num_blocks']} blocks of {result['block_size']}: {with_head['mean_ms']:.2f} ms mean with the "
-          f"{result['head']} head, {without['mean_ms']:.2f} ms without: +{result['head_overhead']:.1%} "
+          f"{parts}, {without['mean_ms']:.2f} ms without: +{result['head_overhead']:.1%} "
           f"(median +{result['head_overhead_median']:.1%})")
     return 0
 
