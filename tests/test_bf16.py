@@ -366,11 +366,14 @@ def test_logits_are_bit_identical_alone_and_in_any_mixed_batch(tiny_llama, conte
 
 
 @needs_kernel
-def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama):
+@pytest.mark.parametrize("options", [{}, {"prefix_layer": True, "shuffled_vocab": True}])
+def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama, options):
     """Greedy speculative output equals plain decoding request by request, whatever arrives when,
-    in the default (fast) mode."""
+    in the default (fast) mode; with a prefix layer too (its linears on bf16 weights)."""
     target = load_target(tiny_llama, torch.bfloat16)
-    drafter = make_drafter(target).use_bf16_weights()
+    drafter = make_drafter(target, **options).use_bf16_weights()
+    if drafter.prefix is not None:
+        assert drafter.prefix.project.bf16_cache is not None and drafter.prefix.layer.q.bf16_cache is not None
     rng = random.Random(3)
     jobs = [([rng.randrange(1, 1000) for _ in range(rng.randrange(2, 60))],
              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)) for _ in range(8)]

@@ -187,7 +187,7 @@ def test_loss_terms_on_a_hand_checked_case(target):
 
 
 ALL_KINDS = [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none"), ("eagle3", "none"), ("mtp1", "none")]
-PREFIX = {"prefix_layer": True}  # DSpark with the prefix layer (`PrefixLayer`), Markov head
+PREFIX = {"prefix_layer": True, "shuffled_vocab": True}  # DSpark with the prefix layer (`PrefixLayer`)
 
 
 @pytest.mark.parametrize("kind, head", ALL_KINDS)
@@ -516,17 +516,18 @@ def test_commands_refuse_a_device_they_cannot_use(tmp_path, command, device, mes
     assert not (tmp_path / "run").exists()  # refused before anything was loaded or written
 
 
-def test_prefix_layer_is_dspark_only_and_never_dropped_silently(target):
-    """The prefix layer belongs to DSpark; our ONNX/TensorRT export has no prefix layer yet, so it
-    refuses such a drafter naming the field, and the TensorRT-LLM layout lists what it drops."""
+def test_prefix_layer_is_dspark_only_and_never_dropped_silently(tiny_llama, target, tmp_path):
+    """The prefix layer belongs to DSpark; our ONNX/TensorRT export has no prefix layer yet, so the
+    builder (before it exports anything) and the export refuse such a drafter naming the field."""
+    from dspark_trt.builder.build import load_models
+    from dspark_trt.config import BuildConfig
     from dspark_trt.builder.export_drafter import ExportDrafter
-    from dspark_trt.builder.trtllm import convert_state
 
     with pytest.raises(ModelLoadError, match="prefix_layer"):
         DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind="dflash", head="none", prefix_layer=True)
     drafter = make_drafter(target, **PREFIX)
     with pytest.raises(DsparkError, match="prefix_layer = true"):
         ExportDrafter(drafter)
-    _, _, differences = convert_state(drafter, target.model.embed)
-    assert any("prefix layer" in d for d in differences)
-    assert not any("prefix layer" in d for d in convert_state(make_drafter(target), target.model.embed)[2])
+    save_drafter(drafter, tmp_path / "drafter")
+    with pytest.raises(ModelLoadError, match="prefix_layer = true"):
+        load_models(BuildConfig(name="prefix"), str(tiny_llama), str(tmp_path / "drafter"))

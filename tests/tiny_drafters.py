@@ -8,14 +8,18 @@ from dspark_trt.models.drafter_io import build_drafter
 FEATURE_LAYERS = (1, 2)
 
 
-def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=2048, **options):
+def make_drafter(target, kind="dspark", head="markov", block_size=4, vocab_size=2048, shuffled_vocab=False, **options):
+    """A tiny drafter with non-zero heads. `shuffled_vocab`: draft ids differ from target ids (the
+    default vocabulary is target ids 0..vocab_size-1, where mixing the two up goes unnoticed)."""
     if kind == "mtp1":
         block_size = 1
     config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind=kind, head=head,
                                       confidence=kind == "dspark", num_layers=options.pop("num_layers", 1), markov_rank=16,
                                       block_size=block_size, draft_vocab_size=vocab_size, **options)
     torch.manual_seed(0)
-    drafter = build_drafter(config, torch.arange(vocab_size)).attach_target(target.model)
+    vocab = (torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(1))[:vocab_size]
+             if shuffled_vocab else torch.arange(vocab_size))
+    drafter = build_drafter(config, vocab).attach_target(target.model)
     with torch.no_grad():  # non-zero sequential head so that it matters in the tests
         if getattr(drafter, "sequential", None) is not None:
             drafter.sequential.w2.weight.normal_(std=0.5)

@@ -29,21 +29,22 @@ Variants:
                   size 1 reached slot-1 acceptance 0.415 against 7-slot DSpark's 0.396 on the
                   same batches). A training-only patch of the loss's attention pattern.
 
-  prefix-forced   (a ceiling for a second pass over the drafted block, at block size 7) block-causal,
+  prefix-forced   (a reference point for reading the drafted block, at block size 7) block-causal,
                   and slot k's input is the embedding of the true token before it (the anchor for
                   slot 1) instead of the mask embedding: the backbone then predicts each slot's
                   token from the true prefix, as EAGLE-3-style's teacher-forced steps do. Slot k
                   only counts when slots 1..k-1 were accepted, that is equal to the true prefix,
-                  so its acceptance here bounds what a pass that reads pass 1's drafts could reach
-                  (and is what the backbone would reach drafting autoregressively, seven passes).
+                  so its acceptance here is what a pass over pass 1's drafts would aim at (and what
+                  the backbone would reach drafting autoregressively, seven passes).
                   Training only: its drafts need the true tokens.
 
   layer-head      (a head that reads the whole drafted prefix, at block size 7) a causal layer over
                   the drafted prefix after the backbone, as the `prefix-forced` probe asked for:
                   now the drafter's `prefix_layer` (`dspark-trt train --prefix-layer`, `PrefixLayer`
                   in models/drafter.py), which the variant passes. The 300-step probe ran through a
-                  patch here with the same parameters under other names (`head_in`, `head_layer`,
-                  ...), and `runs/dspark-prefix-layer` continues it under the option's names.
+                  patch here (replaced by the option before it was committed; its loss was what
+                  `losses.draft_logits` now computes) with the same parameters under other names
+                  (`head_in`, `head_layer`, ...); `runs/dspark-prefix-layer` continues it.
 
 context-norm won (0.415, MTP-1's level) and is now the drafter's `context_norm` (`dspark-trt train
 --context-norm`, the default for new runs), which the runtime, the C kernels and the exporters

@@ -12,10 +12,11 @@ One call drafts one block for each of B requests, statelessly:
              confidences      [B, G]       calibrated c_k
              distributions    [B, G, V_d]  p_k over the draft vocabulary (`draft_vocab` maps to target ids)
 
-It computes what `DSparkProposer` computes (fusion, context keys/values, the backbone with
-the block at positions `C_b .. C_b + G - 1`, the draft LM head, the sequential head) from the
-same weights, written with plain torch ops that `torch.onnx` can trace (the runtime's modules
-route matmuls through numpy and use SDPA's GQA flag). The sequential head is the
+It computes what `DSparkProposer` computes, for drafters without a prefix layer (refused here):
+fusion, context keys/values, the backbone with the block at positions `C_b .. C_b + G - 1`, the
+draft LM head and the sequential head, from the same weights, written with plain torch ops that
+`torch.onnx` can trace (the runtime's modules route matmuls through numpy and use SDPA's GQA flag).
+The sequential head is the
 `dspark::sequential_draft` custom op (one `SequentialDraft` ONNX node, for TensorRT) or, with
 `use_plugin=False`, its reference traced into standard ops (for ONNX Runtime on CPU).
 

@@ -20,7 +20,7 @@ on top of `_torch/speculative/dflash.py` DFlashForCausalLM, `dspark_planner.py` 
     DIR/trtllm/sts.json                   {"sts_temperatures": [...]} when the drafter is calibrated
     DIR/trtllm/extra_llm_api_options.yaml the speculative_config for `trtllm-serve --extra_llm_api_options`
 
-Exactness. Three parts of our drafter have no counterpart in TensorRT-LLM's generic DSpark
+Exactness. Four parts of our drafter have no counterpart in TensorRT-LLM's generic DSpark
 drafter, and are converted as closely as the format allows; `differences` in the returned entry
 (and the manifest) says which apply:
 - our feature fusion RMS-normalises each target layer's hidden state before the projection;
@@ -30,7 +30,10 @@ drafter, and are converted as closely as the format allows; `differences` in the
   target's table. We pick the target token whose embedding is nearest (cosine) to ours;
 - our draft LM head is restricted to the draft vocabulary; TensorRT-LLM scores the full
   vocabulary. Markov rows outside our draft vocabulary are zero (W2) / the out-of-vocabulary
-  row (W1), so the head is exact on the draft vocabulary.
+  row (W1), so the head is exact on the draft vocabulary;
+- with `context_norm`, each layer norms the context before its keys/values; TensorRT-LLM's
+  layers read the context as it is, so this is dropped.
+A drafter with a prefix layer is refused before this step (`build.load_models`).
 Verification stays exact either way; these change acceptance, not outputs.
 """
 
@@ -54,9 +57,6 @@ def convert_state(drafter: DSparkDrafter, target_embed: torch.Tensor) -> tuple[d
     if c.context_norm:
         differences.append("each layer's own RMS norm of the context before its keys/values (context_norm) is "
                            "dropped: TensorRT-LLM's layers read the context states as they are, so drafts accept less")
-    if c.prefix_layer:
-        differences.append("the prefix layer (a causal layer over the drafted prefix before the LM head) is dropped: "
-                           "TensorRT-LLM's drafter drafts the block in one pass, so later slots accept less")
     fusion = drafter.fusion
     # fc(concat(w_i * x_i)) == (fc * concat(w_i)) (concat(x_i)): fold the per-layer norm weights.
     scale = torch.cat([norm.weight.detach() for norm in fusion.norms])  # [m*d]

@@ -11,7 +11,7 @@ requests' blocks are drafted in one batched backbone pass:
     U = hidden @ LM head (draft vocabulary)                                        [N, gamma, V_d]
     for k in 1..gamma:                      # the sequential head, left to right, batched over N
         p_k = softmax((U_k + B(x_{k-1})) / T)    x_k = argmax p_k  (T = 0)  or  x_k ~ p_k
-        (with a prefix layer, U_k += U(PrefixLayer.step(h_k, x_{k-1}, slots < k)) first)
+        (with a prefix layer, U_k also gets + U(PrefixLayer.step(h_k, x_{k-1}, slots < k)))
     c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
 
 With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM

@@ -124,8 +124,10 @@ def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> Non
     current = asdict(drafter_config)
     for name in ARCHITECTURE_FIELDS:
         ours = list(current[name]) if isinstance(current[name], tuple) else current[name]
-        if name in saved and saved[name] != ours:
-            raise DsparkError(f"the run was started with drafter {name} = {saved[name]!r}, not {ours!r}: resume it "
+        # an on/off option the run's saved config predates was off (`saved_drafter_flag`)
+        theirs = saved.get(name, False) if name in ("context_norm", "prefix_layer") else saved.get(name, ours)
+        if theirs != ours:
+            raise DsparkError(f"the run was started with drafter {name} = {theirs!r}, not {ours!r}: resume it "
                               f"with the options it started with, or train into another --output")
 
 
