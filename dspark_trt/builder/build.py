@@ -104,6 +104,7 @@ def resolve_specs(config: BuildConfig) -> tuple[str, str | None]:
 
 
 def load_models(config: BuildConfig, target_spec: str, drafter_spec: str | None):
+    from dspark_trt.builder.export_drafter import check_exportable
     from dspark_trt.models.drafter import DSparkDrafter
     from dspark_trt.models.drafter_io import load_drafter
     from dspark_trt.models.loading import load_target
@@ -115,9 +116,7 @@ def load_models(config: BuildConfig, target_spec: str, drafter_spec: str | None)
     if not isinstance(drafter, DSparkDrafter):
         raise ModelLoadError(f"drafter {drafter_spec}: kind {drafter.config.kind!r} cannot be built; the builder "
                              "exports DSpark and DFlash drafters")
-    if drafter.config.prefix_layer:
-        raise ModelLoadError(f"drafter {drafter_spec}: prefix_layer = true, which the ONNX/TensorRT drafter (and its "
-                             "SequentialDraft plugin) does not have yet; serve this drafter with the PyTorch engine")
+    check_exportable(drafter.config, f"drafter {drafter_spec}")
     if config.block_size is not None and drafter.config.block_size != config.block_size:
         raise ModelLoadError(f"block_size: the config asks for {config.block_size} but drafter {drafter_spec} was "
                              f"trained with block size {drafter.config.block_size}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_trt.errors import DsparkError
+from dspark_trt.errors import ModelLoadError
 from dspark_trt.models.drafter import DSparkDrafter, RNNHead
 from dspark_trt.plugins import sequential_draft as sd
 
@@ -46,15 +46,20 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def check_exportable(config, name: str = "drafter") -> None:
+    """Refuse a drafter this export cannot compute (the builder calls it before exporting anything)."""
+    if config.prefix_layer:
+        raise ModelLoadError(f"{name}: prefix_layer = true, which the ONNX/TensorRT drafter (and its SequentialDraft "
+                             "plugin) does not have yet; serve this drafter with the PyTorch engine")
+
+
 class ExportDrafter(nn.Module):
     def __init__(self, drafter: DSparkDrafter, use_plugin: bool = True):
         super().__init__()
         if drafter.embed is None:
             raise ValueError("attach the target (drafter.attach_target) before exporting the drafter")
         c = drafter.config
-        if c.prefix_layer:
-            raise DsparkError("drafter prefix_layer = true: the ONNX/TensorRT drafter (and its SequentialDraft "
-                              "plugin) has no prefix layer yet; serve this drafter with the PyTorch engine")
+        check_exportable(c)
         self.config, self.drafter, self.use_plugin = c, drafter, use_plugin
         self.block_size, self.eps = c.block_size, c.rms_norm_eps
         self.head = sd.HEAD_CODES[c.head]

@@ -265,7 +265,8 @@ class PrefixLayer(nn.Module):
         `[N, 1, 1, head_dim]`, the keys/values of slots 1..k-1 (None at k = 1) -> correction
         `[N, d]` and the keys/values of slots 1..k (what `teacher_forced` computes, slot by slot)."""
         u = self._inputs(hidden, previous_embedding)[:, None]  # [N, 1, d]
-        keys, values = cache if cache is not None else (self._no_context(u), self._no_context(u))
+        empty = self._no_context(u)
+        keys, values = cache if cache is not None else (empty, empty)
         states, (own_keys, own_values) = self.layer(u, cos, sin, keys, values, None, return_kv=True)
         cache = (torch.cat([keys, own_keys], dim=2), torch.cat([values, own_values], dim=2))
         return self.out(self.norm(states[:, 0])), cache

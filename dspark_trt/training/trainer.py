@@ -90,9 +90,8 @@ def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[in
     default), DFlash (the same backbone, no heads), EAGLE-3-style and MTP-1 (one layer; MTP-1
     drafts one token). `context_norm` (DSpark and DFlash): each layer's own norm of the context
     (`DSparkDrafter.context_keys_values_at`); EAGLE-3-style and MTP-1 already norm theirs.
-    `prefix_layer` (DSpark only): a causal layer over the drafted prefix (`PrefixLayer`)."""
-    if prefix_layer and kind != "dspark":
-        raise DsparkError(f"--prefix-layer is a DSpark drafter's part, not a {kind} drafter's")
+    `prefix_layer` (DSpark only, which `DrafterConfig` checks): a causal layer over the drafted
+    prefix (`PrefixLayer`)."""
     return DrafterConfig.for_target(target.name, target.config, feature_layers, kind=kind,
                                     head=head or ("markov" if kind == "dspark" else "none"),
                                     confidence=kind == "dspark", block_size=1 if kind == "mtp1" else block_size,
@@ -105,10 +104,12 @@ def drafter_config_for(kind: str, target: LoadedTarget, feature_layers: tuple[in
 # The drafter fields a resumed run must keep: its weights mean nothing under another shape or wiring.
 ARCHITECTURE_FIELDS = ("kind", "feature_layers", "block_size", "num_layers", "head", "markov_rank", "confidence",
                        "draft_vocab_size", "context_norm", "prefix_layer")
+# Those of them that are on/off options added later: a run saved before one existed had it off.
+DRAFTER_FLAGS = ("context_norm", "prefix_layer")
 
 
 def saved_drafter_flag(run_dir: Path, name: str) -> bool | None:
-    """The on/off drafter option `name` (`context_norm`, `prefix_layer`) a run at `run_dir` was
+    """The on/off drafter option `name` (one of `DRAFTER_FLAGS`) a run at `run_dir` was
     started with: None for no run there yet, False for runs checkpointed before the option existed
     (they were trained without it)."""
     meta = run_progress(run_dir)
@@ -125,7 +126,7 @@ def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> Non
     for name in ARCHITECTURE_FIELDS:
         ours = list(current[name]) if isinstance(current[name], tuple) else current[name]
         # an on/off option the run's saved config predates was off (`saved_drafter_flag`)
-        theirs = saved.get(name, False) if name in ("context_norm", "prefix_layer") else saved.get(name, ours)
+        theirs = saved.get(name, False) if name in DRAFTER_FLAGS else saved.get(name, ours)
         if theirs != ours:
             raise DsparkError(f"the run was started with drafter {name} = {theirs!r}, not {ours!r}: resume it "
                               f"with the options it started with, or train into another --output")
