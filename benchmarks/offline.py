@@ -37,6 +37,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8, help="tau does not depend on it; time does")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/offline.json"))
+    parser.add_argument("--seed", type=int, default=0,
+                        help="prompt i samples with seed SEED + i (T > 0); another SEED draws another sample of "
+                             "the same prompts, for the spread of tau at T > 0 (runs are kept apart by it)")
     parser.add_argument("--merge", action="append", type=Path, default=[],
                         help="offline.json of another sweep (same --max-tokens) to merge in; evaluates nothing")
     args = parser.parse_args()
@@ -55,9 +58,14 @@ def main() -> int:
     # output is rewritten after every run, so an interrupted sweep continues where it stopped.
     previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
     runs = previous["runs"] if previous.get("max_tokens") == args.max_tokens else []
+    other_seeds = {r.get("seed", 0) for r in runs} - {args.seed}
+    if other_seeds:  # macro averages are over one sample of each dataset: one seed per output
+        print(f"error: {args.output} holds runs of --seed {sorted(other_seeds)}, not {args.seed}; "
+              "give this seed its own --output", file=sys.stderr)
+        return 2
     if args.merge:
         return merge(args.output, runs, previous.get("calibration", {}), args.merge, args.max_tokens, datasets,
-                     temperatures)
+                     temperatures, args.seed)
     calibration, ran = dict(previous.get("calibration", {})), False  # reports of drafters not rerun stay
     for name, path in drafters.items():
         report = Path(path) / "calibration.json"
@@ -66,16 +74,17 @@ def main() -> int:
         else:  # a report kept from an earlier sweep must not outlive the calibration it describes
             calibration.pop(name, None)
         todo = [(d, c, t) for d, c in datasets.items() for t in temperatures
-                if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t for r in runs)]
+                if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t
+                           and r.get("seed", 0) == args.seed for r in runs)]
         if not todo:
             continue
         llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size, policy="all")  # tau of the whole block
         for dataset, count, temperature in todo:
             prompts = [llm.encode_chat(p.messages) for p in load_prompts(dataset, count)]
-            params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i)
+            params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=args.seed + i)
                       for i in range(len(prompts))]
             result = evaluate(llm, prompts, params, args.batch_size, compare_plain=False)
-            runs.append({"drafter": name, "dataset": dataset, "temperature": temperature, **result})
+            runs.append({"drafter": name, "dataset": dataset, "temperature": temperature, "seed": args.seed, **result})
             print(f"{name:8s} {dataset:10s} T={temperature}: tau {result['accept_length']:.2f}", flush=True)
             write_outputs(args.output, runs, calibration, args.max_tokens, datasets, temperatures)
             ran = True
@@ -86,13 +95,16 @@ def main() -> int:
 
 
 def merge(output: Path, runs: list, calibration: dict, parts: list[Path], max_tokens: int, datasets,
-          temperatures) -> int:
+          temperatures, seed: int) -> int:
     """Add the runs of other sweeps' outputs to `runs` (and their calibration reports to
     `calibration`); a part's run replaces the same cell's."""
     for part in parts:
         data = json.loads(part.read_text())
         if data.get("max_tokens") != max_tokens:
             print(f"error: {part} was run with --max-tokens {data.get('max_tokens')}, not {max_tokens}", file=sys.stderr)
+            return 2
+        if any(run.get("seed", 0) != seed for run in data["runs"]):
+            print(f"error: {part} holds runs of another --seed than {seed}", file=sys.stderr)
             return 2
         for run in data["runs"]:
             cell = (run["drafter"], run["dataset"], run["temperature"])

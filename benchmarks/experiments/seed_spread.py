@@ -1,0 +1,111 @@
+"""How sure is a tau ratio at T > 0? Two drafters' macro tau over several sampling seeds.
+
+    python benchmarks/offline.py --drafter A=... --drafter B=... --temperature 1 --max-tokens 32 \
+        --batch-size 32 --seed 100000 --output seed1.json        # and --seed 200000 ... (one output each)
+    python benchmarks/experiments/seed_spread.py --numerator A --denominator B --temperature 1 \
+        --input benchmarks/results/offline.json --input seed1.json ... --output spread.json
+
+At T > 0 a run of `benchmarks/offline.py` is one sample: the same prompts with another seed
+generate other text and draw other drafts, so two drafters' macro taus differ by chance as well
+as by skill. Reads offline.py outputs only (no model, no CPU time); every input must hold both
+drafters on every dataset at the temperature, each input one seed (offline.py keeps seeds apart).
+Writes per seed the macro tau of each drafter and their ratio; across seeds the mean ratio with a
+95% t-interval (the seeds are independent samples); and the pooled ratio: each drafter's tau per
+dataset from all seeds' steps together (accepted + steps over steps, which is what tau is), then
+macro-averaged, which weighs every step alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (scipy is not a dependency).
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def cells(runs: list[dict], drafter: str, temperature: float) -> dict[str, dict]:
+    return {r["dataset"]: r for r in runs if r["drafter"] == drafter and r["temperature"] == temperature}
+
+
+def macro(per_dataset: dict[str, float]) -> float:
+    return sum(per_dataset.values()) / len(per_dataset)
+
+
+def spread(inputs: list[dict], numerator: str, denominator: str, temperature: float) -> dict:
+    """`inputs`: offline.py outputs, one seed each -> per-seed and pooled macro taus and ratios."""
+    per_seed, totals = [], {numerator: {}, denominator: {}}
+    datasets = None
+    for data in inputs:
+        found = {name: cells(data["runs"], name, temperature) for name in (numerator, denominator)}
+        names = {name: set(c) for name, c in found.items()}
+        if datasets is None:
+            datasets = names[numerator]
+        if not datasets or any(n != datasets for n in names.values()):
+            raise ValueError(f"{data['_path']}: needs {numerator} and {denominator} on the same datasets at "
+                             f"T={temperature}; it has {({k: sorted(v) for k, v in names.items()})}")
+        seeds = {r.get("seed", 0) for c in found.values() for r in c.values()}
+        taus = {name: {d: r["accept_length"] for d, r in c.items()} for name, c in found.items()}
+        per_seed.append({"input": data["_path"], "seed": sorted(seeds),
+                         "macro_tau": {name: macro(t) for name, t in taus.items()},
+                         "ratio": macro(taus[numerator]) / macro(taus[denominator])})
+        for name, c in found.items():
+            for d, r in c.items():
+                steps, accepted = totals[name].get(d, (0, 0))
+                totals[name][d] = (steps + r["num_steps"], accepted + r["num_accepted_tokens"])
+    seeds_seen = [s for row in per_seed for s in row["seed"]]
+    if len(seeds_seen) != len(set(seeds_seen)):
+        raise ValueError(f"a seed appears in more than one input: {seeds_seen}")
+    ratios = [row["ratio"] for row in per_seed]
+    mean = statistics.fmean(ratios)
+    half_width = None
+    if len(ratios) > 1:
+        half_width = T_975[min(len(ratios) - 1, max(T_975))] * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    pooled = {name: {d: (steps + accepted) / steps for d, (steps, accepted) in t.items()} for name, t in totals.items()}
+    return {
+        "numerator": numerator, "denominator": denominator, "temperature": temperature,
+        "datasets": sorted(datasets), "num_seeds": len(per_seed), "per_seed": per_seed,
+        "mean_ratio": mean, "ratio_95ci": None if half_width is None else [mean - half_width, mean + half_width],
+        "pooled_tau": pooled, "pooled_macro_tau": {name: macro(t) for name, t in pooled.items()},
+        "pooled_ratio": macro(pooled[numerator]) / macro(pooled[denominator]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", action="append", type=Path, required=True, help="offline.py output (repeatable)")
+    parser.add_argument("--numerator", required=True, help="drafter name as in the inputs, e.g. dspark")
+    parser.add_argument("--denominator", required=True, help="drafter name as in the inputs, e.g. eagle3")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    inputs = []
+    for path in args.input:
+        try:
+            inputs.append({**json.loads(path.read_text()), "_path": str(path)})
+        except (OSError, ValueError) as exc:
+            parser.error(f"--input {path}: {exc}")
+    try:
+        result = spread(inputs, args.numerator, args.denominator, args.temperature)
+    except ValueError as exc:
+        parser.error(str(exc))
+    result["command"] = "python benchmarks/experiments/seed_spread.py " + " ".join(
+        [f"--input {p}" for p in args.input] + [f"--numerator {args.numerator}", f"--denominator {args.denominator}",
+                                                f"--temperature {args.temperature}", f"--output {args.output}"])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.output.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.output)
+    for row in result["per_seed"]:
+        print(f"seed {row['seed']}: {row['macro_tau']} ratio {row['ratio']:.3f}")
+    ci = result["ratio_95ci"]
+    print(f"mean ratio {result['mean_ratio']:.3f}" + (f" (95% CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else "")
+          + f", pooled {result['pooled_ratio']:.3f} over {result['num_seeds']} seeds -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The experiment scripts' arithmetic (benchmarks/experiments/): what they compute from outputs
+already on disk, on outputs built here, so a wrong sum or a silently mixed input fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"))
+from seed_spread import spread  # noqa: E402
+
+
+def offline_output(seed: int, counts: dict[tuple[str, str], tuple[int, int]], temperature: float = 1.0) -> dict:
+    """An offline.py output: (drafter, dataset) -> (num_steps, num_accepted_tokens)."""
+    runs = [{"drafter": drafter, "dataset": dataset, "temperature": temperature, "seed": seed,
+             "num_steps": steps, "num_accepted_tokens": accepted, "accept_length": (steps + accepted) / steps}
+            for (drafter, dataset), (steps, accepted) in counts.items()]
+    return {"runs": runs, "max_tokens": 32, "_path": f"seed{seed}.json"}
+
+
+def test_seed_spread_per_seed_and_pooled_ratios():
+    first = offline_output(0, {("a", "x"): (100, 100), ("a", "y"): (100, 50), ("b", "x"): (100, 80), ("b", "y"): (50, 25)})
+    second = offline_output(7, {("a", "x"): (300, 0), ("a", "y"): (100, 50), ("b", "x"): (100, 80), ("b", "y"): (50, 25)})
+    result = spread([first, second], "a", "b", 1.0)
+
+    # seed 0: a = (2.0 + 1.5) / 2 = 1.75, b = (1.8 + 1.5) / 2 = 1.65; seed 7: a = (1.0 + 1.5) / 2 = 1.25
+    assert [row["ratio"] for row in result["per_seed"]] == pytest.approx([1.75 / 1.65, 1.25 / 1.65])
+    assert result["mean_ratio"] == pytest.approx((1.75 / 1.65 + 1.25 / 1.65) / 2)
+    low, high = result["ratio_95ci"]
+    assert low < result["mean_ratio"] < high
+    # pooled: a on x = (400 + 100) / 400 = 1.25, a on y = 1.5; b unchanged
+    assert result["pooled_tau"]["a"] == pytest.approx({"x": 1.25, "y": 1.5})
+    assert result["pooled_ratio"] == pytest.approx(((1.25 + 1.5) / 2) / 1.65)
+
+
+def test_seed_spread_refuses_mismatched_inputs():
+    whole = offline_output(0, {("a", "x"): (10, 5), ("b", "x"): (10, 5)})
+    with pytest.raises(ValueError, match="same datasets"):
+        spread([offline_output(1, {("a", "x"): (10, 5)})], "a", "b", 1.0)  # b missing
+    with pytest.raises(ValueError, match="same datasets"):
+        spread([whole], "a", "b", 0.0)  # no runs at that temperature
+    with pytest.raises(ValueError, match="more than one input"):
+        spread([whole, offline_output(0, {("a", "x"): (10, 4), ("b", "x"): (10, 5)})], "a", "b", 1.0)
+
+
+def test_seed_spread_cli_writes_json_and_reports_bad_input(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "seed_spread.py"
+    good = tmp_path / "seed0.json"
+    data = offline_output(0, {("a", "x"): (10, 5), ("b", "x"): (10, 4)})
+    good.write_text(json.dumps({k: v for k, v in data.items() if k != "_path"}))
+    out = tmp_path / "spread.json"
+    done = subprocess.run([sys.executable, str(script), "--input", str(good), "--numerator", "a",
+                           "--denominator", "b", "--output", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["pooled_ratio"] == pytest.approx(1.5 / 1.4)
+
+    failed = subprocess.run([sys.executable, str(script), "--input", str(tmp_path / "missing.json"), "--numerator",
+                             "a", "--denominator", "b", "--output", str(out)], capture_output=True, text=True)
+    assert failed.returncode == 2 and "missing.json" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_offline_keeps_one_seed_per_output(tmp_path):
+    """A macro tau is over one sample of each dataset: offline.py refuses to add another seed's runs
+    to an output (before loading any model), for evaluation and for --merge alike."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offline.py"
+    output, part = tmp_path / "offline.json", tmp_path / "part.json"
+    data = offline_output(0, {("a", "x"): (10, 5)})
+    output.write_text(json.dumps({k: v for k, v in data.items() if k != "_path"}))
+    done = subprocess.run([sys.executable, str(script), "--max-tokens", "32", "--seed", "100", "--drafter", "a=nowhere",
+                           "--output", str(output)], capture_output=True, text=True)
+    assert done.returncode == 2 and "--seed [0], not 100" in done.stderr
+
+    part.write_text(json.dumps({**{k: v for k, v in offline_output(5, {("a", "x"): (10, 4)}).items() if k != "_path"}}))
+    done = subprocess.run([sys.executable, str(script), "--max-tokens", "32", "--merge", str(part), "--output",
+                           str(output)], capture_output=True, text=True)
+    assert done.returncode == 2 and "another --seed" in done.stderr
+    assert json.loads(output.read_text())["runs"] == data["runs"]  # untouched
