@@ -41,10 +41,18 @@ def test_seed_spread_refuses_mismatched_inputs():
     whole = offline_output(0, {("a", "x"): (10, 5), ("b", "x"): (10, 5)})
     with pytest.raises(ValueError, match="same datasets"):
         spread([offline_output(1, {("a", "x"): (10, 5)})], "a", "b", 1.0)  # b missing
-    with pytest.raises(ValueError, match="same datasets"):
-        spread([whole], "a", "b", 0.0)  # no runs at that temperature
+    with pytest.raises(ValueError, match="no runs of a or b at T=0.0"):
+        spread([whole], "a", "b", 0.0)
     with pytest.raises(ValueError, match="more than one input"):
-        spread([whole, offline_output(0, {("a", "x"): (10, 4), ("b", "x"): (10, 5)})], "a", "b", 1.0)
+        spread([whole, offline_output(0, {("a", "x"): (10, 4)})], "a", "b", 1.0)
+
+
+def test_seed_spread_joins_one_seeds_runs_from_several_inputs():
+    """A sweep per drafter: seed 3's runs of a and b in two outputs count as one sample."""
+    joined = spread([offline_output(3, {("a", "x"): (10, 5)}), offline_output(3, {("b", "x"): (10, 4)}),
+                     offline_output(4, {("a", "x"): (10, 6), ("b", "x"): (10, 4)})], "a", "b", 1.0)
+    assert [row["seed"] for row in joined["per_seed"]] == [3, 4]
+    assert [row["ratio"] for row in joined["per_seed"]] == pytest.approx([1.5 / 1.4, 1.6 / 1.4])
 
 
 def test_seed_spread_cli_writes_json_and_reports_bad_input(tmp_path):

@@ -7,8 +7,9 @@
 
 At T > 0 a run of `benchmarks/offline.py` is one sample: the same prompts with another seed
 generate other text and draw other drafts, so two drafters' macro taus differ by chance as well
-as by skill. Reads offline.py outputs only (no model, no CPU time); every input must hold both
-drafters on every dataset at the temperature, each input one seed (offline.py keeps seeds apart).
+as by skill. Reads offline.py outputs only (no model, no CPU time); for every seed in them the
+inputs together must hold both drafters on every dataset at the temperature, in one input or in
+several (a sweep per drafter); a run found twice is refused.
 Writes per seed the macro tau of each drafter and their ratio; across seeds the mean ratio with a
 95% t-interval (the seeds are independent samples); and the pooled ratio: each drafter's tau per
 dataset from all seeds' steps together (accepted + steps over steps, which is what tau is), then
@@ -28,38 +29,45 @@ from pathlib import Path
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
-def cells(runs: list[dict], drafter: str, temperature: float) -> dict[str, dict]:
-    return {r["dataset"]: r for r in runs if r["drafter"] == drafter and r["temperature"] == temperature}
-
-
 def macro(per_dataset: dict[str, float]) -> float:
     return sum(per_dataset.values()) / len(per_dataset)
 
 
-def spread(inputs: list[dict], numerator: str, denominator: str, temperature: float) -> dict:
-    """`inputs`: offline.py outputs, one seed each -> per-seed and pooled macro taus and ratios."""
-    per_seed, totals = [], {numerator: {}, denominator: {}}
-    datasets = None
+def runs_by_seed(inputs: list[dict], drafters: tuple[str, ...], temperature: float) -> dict[int, dict]:
+    """seed -> drafter -> dataset -> run, from all inputs (a seed's runs may come from several
+    outputs, e.g. one drafter per sweep); a cell found twice is refused, not silently picked."""
+    found: dict[int, dict] = {}
     for data in inputs:
-        found = {name: cells(data["runs"], name, temperature) for name in (numerator, denominator)}
+        for run in data["runs"]:
+            if run["drafter"] not in drafters or run["temperature"] != temperature:
+                continue
+            cell = found.setdefault(run.get("seed", 0), {name: {} for name in drafters})[run["drafter"]]
+            if run["dataset"] in cell:
+                raise ValueError(f"{data['_path']}: {run['drafter']} on {run['dataset']} at T={temperature}, "
+                                 f"seed {run.get('seed', 0)}, is in more than one input")
+            cell[run["dataset"]] = run
+    return dict(sorted(found.items()))
+
+
+def spread(inputs: list[dict], numerator: str, denominator: str, temperature: float) -> dict:
+    """`inputs`: offline.py outputs (each one seed) -> per-seed and pooled macro taus and ratios."""
+    per_seed, totals = [], {numerator: {}, denominator: {}}
+    by_seed = runs_by_seed(inputs, (numerator, denominator), temperature)
+    if not by_seed:
+        raise ValueError(f"no runs of {numerator} or {denominator} at T={temperature} in the inputs")
+    datasets = set(next(iter(by_seed.values()))[numerator])
+    for seed, found in by_seed.items():
         names = {name: set(c) for name, c in found.items()}
-        if datasets is None:
-            datasets = names[numerator]
         if not datasets or any(n != datasets for n in names.values()):
-            raise ValueError(f"{data['_path']}: needs {numerator} and {denominator} on the same datasets at "
-                             f"T={temperature}; it has {({k: sorted(v) for k, v in names.items()})}")
-        seeds = {r.get("seed", 0) for c in found.values() for r in c.values()}
+            raise ValueError(f"seed {seed}: needs {numerator} and {denominator} on the same datasets at "
+                             f"T={temperature}; the inputs have {({k: sorted(v) for k, v in names.items()})}")
         taus = {name: {d: r["accept_length"] for d, r in c.items()} for name, c in found.items()}
-        per_seed.append({"input": data["_path"], "seed": sorted(seeds),
-                         "macro_tau": {name: macro(t) for name, t in taus.items()},
+        per_seed.append({"seed": seed, "macro_tau": {name: macro(t) for name, t in taus.items()},
                          "ratio": macro(taus[numerator]) / macro(taus[denominator])})
         for name, c in found.items():
             for d, r in c.items():
                 steps, accepted = totals[name].get(d, (0, 0))
                 totals[name][d] = (steps + r["num_steps"], accepted + r["num_accepted_tokens"])
-    seeds_seen = [s for row in per_seed for s in row["seed"]]
-    if len(seeds_seen) != len(set(seeds_seen)):
-        raise ValueError(f"a seed appears in more than one input: {seeds_seen}")
     ratios = [row["ratio"] for row in per_seed]
     mean = statistics.fmean(ratios)
     half_width = None
@@ -82,7 +90,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    seeds = [",".join(str(s) for s in row["seed"]) for row in result["per_seed"]]
+    seeds = [str(row["seed"]) for row in result["per_seed"]]
     for name in (result["numerator"], result["denominator"]):
         taus = [row["macro_tau"][name] for row in result["per_seed"]]
         line = ax.plot(range(len(seeds)), taus, marker="o", label=name)[0]
