@@ -15,7 +15,9 @@ Parallel sweeps: run one drafter per process, each with its own --output, then
     python benchmarks/offline.py --max-tokens 32 --merge part1.json --merge part2.json ...
 
 which adds their runs to --output (a run of the same drafter, dataset and temperature replaces
-the one there) and rewrites the outputs without evaluating anything.
+the one there) and rewrites the outputs without evaluating anything. At T > 0 one run is one
+sample: `--seed S` draws another (one output per seed; `experiments/seed_spread.py` compares two
+drafters over several).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def merge(output: Path, runs: list, calibration: dict, parts: list[Path], max_to
             print(f"error: {part} was run with --max-tokens {data.get('max_tokens')}, not {max_tokens}", file=sys.stderr)
             return 2
         if any(run.get("seed", 0) != seed for run in data["runs"]):
-            print(f"error: {part} holds runs of another --seed than {seed}", file=sys.stderr)
+            print(f"error: {part} holds runs of another --seed than {seed} (merge one seed at a time, "
+                  "giving it as --seed)", file=sys.stderr)
             return 2
         for run in data["runs"]:
             cell = (run["drafter"], run["dataset"], run["temperature"])
