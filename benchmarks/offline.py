@@ -76,8 +76,7 @@ def main() -> int:
         else:  # a report kept from an earlier sweep must not outlive the calibration it describes
             calibration.pop(name, None)
         todo = [(d, c, t) for d, c in datasets.items() for t in temperatures
-                if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t
-                           and r.get("seed", 0) == args.seed for r in runs)]
+                if not any(r["drafter"] == name and r["dataset"] == d and r["temperature"] == t for r in runs)]
         if not todo:
             continue
         llm = LLM(target="default", drafter=path, max_batch_size=args.batch_size, policy="all")  # tau of the whole block

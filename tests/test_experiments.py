@@ -22,6 +22,12 @@ def offline_output(seed: int, counts: dict[tuple[str, str], tuple[int, int]], te
     return {"runs": runs, "max_tokens": 32, "_path": f"seed{seed}.json"}
 
 
+def write_output(path: Path, data: dict) -> Path:
+    """`data` as offline.py writes it (without the in-memory `_path`)."""
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "_path"}))
+    return path
+
+
 def test_seed_spread_per_seed_and_pooled_ratios():
     first = offline_output(0, {("a", "x"): (100, 100), ("a", "y"): (100, 50), ("b", "x"): (100, 80), ("b", "y"): (50, 25)})
     second = offline_output(7, {("a", "x"): (300, 0), ("a", "y"): (100, 50), ("b", "x"): (100, 80), ("b", "y"): (50, 25)})
@@ -57,9 +63,7 @@ def test_seed_spread_joins_one_seeds_runs_from_several_inputs():
 
 def test_seed_spread_cli_writes_json_and_reports_bad_input(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments" / "seed_spread.py"
-    good = tmp_path / "seed0.json"
-    data = offline_output(0, {("a", "x"): (10, 5), ("b", "x"): (10, 4)})
-    good.write_text(json.dumps({k: v for k, v in data.items() if k != "_path"}))
+    good = write_output(tmp_path / "seed0.json", offline_output(0, {("a", "x"): (10, 5), ("b", "x"): (10, 4)}))
     out = tmp_path / "spread.json"
     done = subprocess.run([sys.executable, str(script), "--input", str(good), "--numerator", "a",
                            "--denominator", "b", "--output", str(out)], capture_output=True, text=True)
@@ -77,12 +81,12 @@ def test_offline_keeps_one_seed_per_output(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "offline.py"
     output, part = tmp_path / "offline.json", tmp_path / "part.json"
     data = offline_output(0, {("a", "x"): (10, 5)})
-    output.write_text(json.dumps({k: v for k, v in data.items() if k != "_path"}))
+    write_output(output, data)
     done = subprocess.run([sys.executable, str(script), "--max-tokens", "32", "--seed", "100", "--drafter", "a=nowhere",
                            "--output", str(output)], capture_output=True, text=True)
     assert done.returncode == 2 and "--seed [0], not 100" in done.stderr
 
-    part.write_text(json.dumps({**{k: v for k, v in offline_output(5, {("a", "x"): (10, 4)}).items() if k != "_path"}}))
+    write_output(part, offline_output(5, {("a", "x"): (10, 4)}))
     done = subprocess.run([sys.executable, str(script), "--max-tokens", "32", "--merge", str(part), "--output",
                            str(output)], capture_output=True, text=True)
     assert done.returncode == 2 and "another --seed" in done.stderr
