@@ -99,6 +99,7 @@ def test_build_writes_a_complete_engine_directory(built):
     assert manifest["target"]["hidden_size"] == 64 and manifest["vocab_size"] == 49152
     assert set(manifest["build"]["seconds"]) == {"load", "export", "validate", "engines", "profile", "package"}
     assert manifest["engines"]["built"] is False and manifest["engines"]["reason"]
+    assert manifest["drafter"]["sequential_head"] == "SequentialDraft plugin" and not manifest["drafter"]["prefix_layer"]
     assert all(manifest["validation"].values())
     for rel in manifest["files"].values():
         assert (output / rel).exists()
@@ -187,6 +188,65 @@ def test_llm_serves_the_engine_directory_like_its_parts(built):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert a[0].metrics["num_draft_tokens"] > 0
 
+
+
+# ---- a drafter with a prefix layer: no plugin, its loop in standard ops -----------------------------
+
+
+@pytest.fixture(scope="module")
+def built_prefix(tmp_path_factory):
+    """`dspark-trt build tiny` with a tiny DSpark drafter that has a prefix layer (through the CLI)."""
+    output = tmp_path_factory.mktemp("engines") / "prefix"
+    drafter = tiny_drafter_folder(prefix_layer=True)
+    result = CliRunner().invoke(main, ["build", "tiny", "--output", str(output), "--set", f"drafter={drafter}",
+                                       "--set", "profile.measure=false"])
+    assert result.exit_code == 0, result.output
+    return output, drafter
+
+
+def test_prefix_layer_drafter_builds_one_standard_ops_graph(built_prefix):
+    """drafter.onnx has no plugin node (TensorRT builds its loop as it is), and the build's own
+    checks ran on it: ONNX Runtime against torch, greedy tokens against the runtime proposer, lint."""
+    output, _ = built_prefix
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["drafter"]["prefix_layer"] and manifest["drafter"]["sequential_head"] == "standard ops"
+    assert "drafter_unrolled_onnx" not in manifest["files"] and not (output / "onnx" / "drafter_unrolled.onnx").exists()
+    assert all(manifest["validation"].values())
+    model = onnx.load(str(output / "onnx" / "drafter.onnx"))
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    report = json.loads((output / "validation" / "report.json").read_text())
+    assert report["plugin_node"] == {"count": 0, "expected": 0, "attributes": {}, "ok": True}
+    assert report["drafter"]["greedy_tokens_identical_onnxruntime"]
+    assert report["drafter"]["greedy_tokens_identical_runtime_proposer"]
+    assert report["polygraphy"]["drafter.onnx"]["lint_ok"]
+
+
+def test_prefix_layer_graph_matches_torch_on_fresh_inputs(built_prefix, tiny_models):
+    """New seeds and longer contexts in a fresh ONNX Runtime session, sampled rows included."""
+    output, drafter_folder = built_prefix
+    target = tiny_models[0]
+    drafter = load_drafter(drafter_folder, target)
+    config = load_build_config("tiny", ["validation.seed=11", "validation.num_requests=4",
+                                        "validation.context_tokens=20"])
+    feeds = sample_drafter_inputs(target, drafter, config)
+    session = ort.InferenceSession(str(output / "onnx" / "drafter.onnx"), providers=["CPUExecutionProvider"])
+    got = dict(zip(OUTPUT_NAMES, session.run(None, {k: v.numpy() for k, v in feeds.items()})))
+    with torch.inference_mode():
+        want = dict(zip(OUTPUT_NAMES, (t.numpy() for t in ExportDrafter(drafter)(*feeds.values()))))
+    assert (feeds["temperatures"] > 0).any() and (feeds["temperatures"] == 0).any()
+    assert np.array_equal(got["draft_tokens"], want["draft_tokens"])
+    assert np.abs(got["confidences"] - want["confidences"]).max() <= 1e-4
+    assert np.abs(got["distributions"] - want["distributions"]).max() <= 1e-4
+
+
+def test_llm_serves_a_prefix_layer_engine_directory_losslessly(built_prefix):
+    output, _ = built_prefix
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    prompts = ["The sea is", "def f(x):"]
+    served = LLM(engine_dir=output, max_batch_size=2, policy="all").generate(prompts, params)
+    plain = LLM(target=tiny_target_folder(), max_batch_size=2).generate(prompts, params)
+    assert [o.token_ids for o in served] == [o.token_ids for o in plain]
+    assert served[0].metrics["num_draft_tokens"] > 0
 
 # ---- engine directory errors -----------------------------------------------------------------------
 

@@ -516,18 +516,8 @@ def test_commands_refuse_a_device_they_cannot_use(tmp_path, command, device, mes
     assert not (tmp_path / "run").exists()  # refused before anything was loaded or written
 
 
-def test_prefix_layer_is_dspark_only_and_never_dropped_silently(tiny_llama, target, tmp_path):
-    """The prefix layer belongs to DSpark; our ONNX/TensorRT export has no prefix layer yet, so the
-    builder (before it exports anything) and the export refuse such a drafter naming the field."""
-    from dspark_trt.builder.build import load_models
-    from dspark_trt.config import BuildConfig
-    from dspark_trt.builder.export_drafter import ExportDrafter
-
+def test_prefix_layer_is_dspark_only(target):
+    """The prefix layer corrects a DSpark block's slots; any other kind refuses it, naming the field
+    (the export of a DSpark drafter with one: tests/test_plugin.py and tests/test_builder.py)."""
     with pytest.raises(ModelLoadError, match="prefix_layer"):
         DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind="dflash", head="none", prefix_layer=True)
-    drafter = make_drafter(target, **PREFIX)
-    with pytest.raises(DsparkError, match="prefix_layer = true"):
-        ExportDrafter(drafter)
-    save_drafter(drafter, tmp_path / "drafter")
-    with pytest.raises(ModelLoadError, match="prefix_layer = true"):
-        load_models(BuildConfig(name="prefix"), str(tiny_llama), str(tmp_path / "drafter"))

@@ -20,11 +20,13 @@ def target(tiny_llama):
     return load_target(tiny_llama)
 
 
-def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated=False, context_norm=False):
+def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated=False, context_norm=False,
+                 prefix_layer=False):
     config = DrafterConfig.for_target("tiny", target.config, FEATURE_LAYERS, kind="dspark" if head != "none" else "dflash",
                                       head=head, confidence=head != "none", num_layers=1, markov_rank=16,
                                       block_size=block_size, draft_vocab_size=vocab_size, context_norm=context_norm,
-                                      confidence_temperatures=[0.5, 1.0, 2.0, 3.0][:block_size] if calibrated else [])
+                                      confidence_temperatures=[0.5, 1.0, 2.0, 3.0][:block_size] if calibrated else [],
+                                      prefix_layer=prefix_layer)
     torch.manual_seed(0)
     # a draft vocabulary that is not the identity, so id mapping bugs show
     drafter = build_drafter(config, torch.randperm(target.config.vocab_size)[:vocab_size]).attach_target(target.model)
@@ -36,6 +38,9 @@ def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated
             layer.attn_norm.weight.uniform_(0.2, 3.0)
         if drafter.confidence is not None:
             drafter.confidence.weight.normal_(std=0.5)
+        if drafter.prefix is not None:  # its output projection starts at zero, i.e. as the drafter without it
+            drafter.prefix.out.weight.normal_(std=0.5)
+            drafter.prefix.layer.attn_norm.weight.uniform_(0.2, 3.0)
     return drafter.eval().requires_grad_(False)
 
 
@@ -51,11 +56,13 @@ def sample_feeds(target, drafter, seed=0, batch=4):
             "uniforms": torch.rand(batch, drafter.config.block_size, generator=generator)}
 
 
-@pytest.mark.parametrize("head, context_norm", [("markov", False), ("markov", True), ("rnn", False), ("none", True)])
-def test_greedy_blocks_equal_the_runtime_proposer(target, head, context_norm):
-    """ExportDrafter (backbone + SequentialDraft op) drafts exactly what DSparkProposer drafts,
-    with and without each layer's own norm of the context."""
-    drafter = make_drafter(target, head, calibrated=True, context_norm=context_norm)
+@pytest.mark.parametrize("head, context_norm, prefix_layer",
+                         [("markov", False, False), ("markov", True, False), ("rnn", False, False), ("none", True, False),
+                          ("markov", True, True), ("rnn", False, True)])
+def test_greedy_blocks_equal_the_runtime_proposer(target, head, context_norm, prefix_layer):
+    """ExportDrafter (backbone + SequentialDraft op, or the prefix layer's slot-by-slot loop)
+    drafts exactly what DSparkProposer drafts, with and without each layer's own norm of the context."""
+    drafter = make_drafter(target, head, calibrated=True, context_norm=context_norm, prefix_layer=prefix_layer)
     feeds = sample_feeds(target, drafter)
     feeds["temperatures"] = torch.zeros(4)
     with torch.inference_mode():
@@ -145,6 +152,42 @@ def test_plugin_and_unrolled_forms_agree(target):
         b = ExportDrafter(drafter, use_plugin=False)(*feeds.values())
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_prefix_layer_corrects_each_slot_from_the_drawn_prefix(target):
+    """With a prefix layer there is no plugin form (the loop is standard ops either way), slot 1
+    differs from the drafter without the layer only by the layer's correction, and every sampled
+    slot's distribution is softmax((U_k + B_k + U(PrefixLayer.step(h_k, x_{k-1}, slots < k))) / T)
+    with x_{k-1} the token the export drew: the runtime's own modules, slot by slot."""
+    drafter = make_drafter(target, "markov", calibrated=True, prefix_layer=True)
+    feeds = sample_feeds(target, drafter, seed=5)
+    module = ExportDrafter(drafter, use_plugin=True)
+    assert not module.use_plugin
+    with torch.inference_mode():
+        tokens, probs, confidences, distributions = module(*feeds.values())
+        assert all(torch.equal(x, y) for x, y in zip((tokens, probs, confidences, distributions),
+                                                     ExportDrafter(drafter, use_plugin=False)(*feeds.values())))
+        without = make_drafter(target, "markov", calibrated=True)  # the same weights but no prefix layer
+        without.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("prefix.")})
+        assert not torch.allclose(ExportDrafter(without)(*feeds.values())[3][:, 0], distributions[:, 0], atol=1e-3)
+
+        hidden, logits, _, _ = module.backbone(*list(feeds.values())[:3])  # h_k, U_k before the sequential head
+        gamma = drafter.config.block_size
+        for b in range(tokens.shape[0]):
+            length = int(feeds["context_lengths"][b])
+            cos, sin = drafter.rope_table(length + gamma)
+            previous_tokens, cache = feeds["anchor_tokens"][b : b + 1], None
+            for k in range(gamma):
+                previous = drafter.to_draft[previous_tokens]
+                correction, cache = drafter.prefix.step(hidden[b : b + 1, k], drafter.embed[previous_tokens],
+                                                        cos[length + k][None, None, None], sin[length + k][None, None, None],
+                                                        cache)
+                bias, _ = drafter.sequential_bias(hidden[b, k], previous[0], None)
+                row = logits[b, k] + bias + drafter.lm_head_logits(correction)[0]
+                t = float(feeds["temperatures"][b])
+                expected = torch.softmax(row / (t if t > 0 else 1.0), -1)
+                assert (distributions[b, k] - expected).abs().max() < 1e-5
+                previous_tokens = tokens[b : b + 1, k]
 
 
 def test_export_target_equals_the_runtime_forward(target):

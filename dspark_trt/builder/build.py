@@ -3,7 +3,8 @@
 Steps, each reported with its wall time:
 
     1. load      target and drafter (identity checks name the mismatched field), block size check
-    2. export    target.onnx, drafter.onnx (SequentialDraft node), drafter_unrolled.onnx
+    2. export    target.onnx, drafter.onnx (SequentialDraft node), drafter_unrolled.onnx (a drafter
+                 with a prefix layer: drafter.onnx alone, its loop in standard ops)
     3. validate  ONNX Runtime vs torch with polygraphy; polygraphy inspect + lint
     4. engines   TensorRT engines when tensorrt imports and a GPU is present, else the reason
     5. profile   latency profile of the serving backend on this machine (runtime/profile.py)
@@ -104,7 +105,6 @@ def resolve_specs(config: BuildConfig) -> tuple[str, str | None]:
 
 
 def load_models(config: BuildConfig, target_spec: str, drafter_spec: str | None):
-    from dspark_trt.builder.export_drafter import check_exportable
     from dspark_trt.models.drafter import DSparkDrafter
     from dspark_trt.models.drafter_io import load_drafter
     from dspark_trt.models.loading import load_target
@@ -116,7 +116,6 @@ def load_models(config: BuildConfig, target_spec: str, drafter_spec: str | None)
     if not isinstance(drafter, DSparkDrafter):
         raise ModelLoadError(f"drafter {drafter_spec}: kind {drafter.config.kind!r} cannot be built; the builder "
                              "exports DSpark and DFlash drafters")
-    check_exportable(drafter.config, f"drafter {drafter_spec}")
     if config.block_size is not None and drafter.config.block_size != config.block_size:
         raise ModelLoadError(f"block_size: the config asks for {config.block_size} but drafter {drafter_spec} was "
                              f"trained with block size {drafter.config.block_size}")
@@ -181,6 +180,7 @@ def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", f
 
 def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progress) -> dict:
     from dspark_trt.builder import onnx_export, validate
+    from dspark_trt.builder.export_drafter import plugin_supported
     from dspark_trt.builder.trt_engines import build_engines, why_no_engines
 
     with step("load", f"target {config.target!r}, drafter {config.drafter!r}"):
@@ -197,18 +197,21 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
         onnx_export.export_target(target, feature_layers, config, target_feeds, onnx_dir / "target.onnx")
         if drafter is not None:
             drafter_feeds = onnx_export.sample_drafter_inputs(target, drafter, config)
-            onnx_export.export_drafter(drafter, config, drafter_feeds, onnx_dir / "drafter.onnx", use_plugin=True)
-            onnx_export.export_drafter(drafter, config, drafter_feeds, onnx_dir / "drafter_unrolled.onnx",
-                                       use_plugin=False)
-            files.update(drafter_onnx="onnx/drafter.onnx", drafter_unrolled_onnx="onnx/drafter_unrolled.onnx")
+            plugin = plugin_supported(drafter.config)  # else drafter.onnx is all standard ops already
+            onnx_export.export_drafter(drafter, config, drafter_feeds, onnx_dir / "drafter.onnx", use_plugin=plugin)
+            files["drafter_onnx"] = "onnx/drafter.onnx"
+            if plugin:
+                onnx_export.export_drafter(drafter, config, drafter_feeds, onnx_dir / "drafter_unrolled.onnx",
+                                           use_plugin=False)
+                files["drafter_unrolled_onnx"] = "onnx/drafter_unrolled.onnx"
 
     with step("validate", "ONNX Runtime vs torch (polygraphy), inspect, lint"):
         checks = {"target": validate.validate_target(target, feature_layers, config, target_feeds, target_golden,
                                                      onnx_dir / "target.onnx", report_dir)}
         if drafter is not None:
-            checks["drafter"] = validate.validate_drafter(drafter, config, drafter_feeds,
-                                                          onnx_dir / "drafter_unrolled.onnx", report_dir)
-            checks["plugin_node"] = validate.check_plugin_node(onnx_dir / "drafter.onnx")
+            runnable = onnx_dir / ("drafter_unrolled.onnx" if plugin else "drafter.onnx")  # by ONNX Runtime
+            checks["drafter"] = validate.validate_drafter(drafter, config, drafter_feeds, runnable, report_dir)
+            checks["plugin_node"] = validate.check_plugin_node(onnx_dir / "drafter.onnx", expected=int(plugin))
         checks["polygraphy"] = validate.inspect_and_lint(onnx_dir, report_dir)
         (report_dir / "report.json").write_text(json.dumps(checks, indent=2) + "\n")
         files["validation"] = "validation/report.json"
@@ -248,7 +251,9 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
             drafter_entry = {"path": "drafter", "source": str(drafter_spec), "kind": c.kind, "head": c.head,
                              "block_size": c.block_size, "feature_layers": list(c.feature_layers),
                              "draft_vocab_size": int(drafter.draft_vocab.numel()), "confidence": c.confidence,
-                             "calibrated": bool(c.confidence_temperatures), "num_layers": c.num_layers}
+                             "calibrated": bool(c.confidence_temperatures), "num_layers": c.num_layers,
+                             "prefix_layer": c.prefix_layer,
+                             "sequential_head": "SequentialDraft plugin" if plugin_supported(c) else "standard ops"}
         trtllm = None
         if fmt == "trtllm":
             from dspark_trt.builder.trtllm import write_trtllm_layout

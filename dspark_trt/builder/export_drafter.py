@@ -12,13 +12,18 @@ One call drafts one block for each of B requests, statelessly:
              confidences      [B, G]       calibrated c_k
              distributions    [B, G, V_d]  p_k over the draft vocabulary (`draft_vocab` maps to target ids)
 
-It computes what `DSparkProposer` computes, for drafters without a prefix layer (refused here):
-fusion, context keys/values, the backbone with the block at positions `C_b .. C_b + G - 1`, the
-draft LM head and the sequential head, from the same weights, written with plain torch ops that
-`torch.onnx` can trace (the runtime's modules route matmuls through numpy and use SDPA's GQA flag).
-The sequential head is the
+It computes what `DSparkProposer` computes: fusion, context keys/values, the backbone with the
+block at positions `C_b .. C_b + G - 1`, the draft LM head and the sequential head, from the same
+weights, written with plain torch ops that `torch.onnx` can trace (the runtime's modules route
+matmuls through numpy and use SDPA's GQA flag). The sequential head is the
 `dspark::sequential_draft` custom op (one `SequentialDraft` ONNX node, for TensorRT) or, with
 `use_plugin=False`, its reference traced into standard ops (for ONNX Runtime on CPU).
+
+A drafter with a prefix layer (`DrafterConfig.prefix_layer`) has no plugin form: the layer
+corrects slot k's logits from x_{k-1}, which the head draws inside the loop, while the plugin
+takes the block's logits whole. Its loop is written here slot by slot, the layer between
+`sequential_draft.draft_slot` calls, all in standard ops (TensorRT builds such a graph as it is;
+`plugin_supported` tells the builder).
 
 Stateless on purpose: the graph holds every drafter weight, so an engine needs nothing else;
 the cost is re-projecting the context each call, O(C) rather than O(new tokens).
@@ -29,7 +34,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_trt.errors import ModelLoadError
 from dspark_trt.models.drafter import DSparkDrafter, RNNHead
 from dspark_trt.plugins import sequential_draft as sd
 
@@ -46,11 +50,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def check_exportable(config, name: str = "drafter") -> None:
-    """Refuse a drafter this export cannot compute (the builder calls it before exporting anything)."""
-    if config.prefix_layer:
-        raise ModelLoadError(f"{name}: prefix_layer = true, which the ONNX/TensorRT drafter (and its SequentialDraft "
-                             "plugin) does not have yet; serve this drafter with the PyTorch engine")
+def plugin_supported(config) -> bool:
+    """Whether the drafter's sequential head can be the one `SequentialDraft` node (module docstring)."""
+    return not config.prefix_layer
 
 
 class ExportDrafter(nn.Module):
@@ -59,8 +61,7 @@ class ExportDrafter(nn.Module):
         if drafter.embed is None:
             raise ValueError("attach the target (drafter.attach_target) before exporting the drafter")
         c = drafter.config
-        check_exportable(c)
-        self.config, self.drafter, self.use_plugin = c, drafter, use_plugin
+        self.config, self.drafter, self.use_plugin = c, drafter, use_plugin and plugin_supported(c)
         self.block_size, self.eps = c.block_size, c.rms_norm_eps
         self.head = sd.HEAD_CODES[c.head]
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32)
@@ -86,25 +87,44 @@ class ExportDrafter(nn.Module):
         return angles.cos(), angles.sin()
 
     def _attention(self, layer, x, cos, sin, context_k, context_v, visible):
-        """x `[B, G, D]`; context k/v `[B, KVH, C, HD]`; visible `[B, 1, 1, C + G]` -> `[B, G, D]`."""
+        """One draft layer: x `[B, G, D]`; context k/v `[B, KVH, C, HD]` or None; visible
+        `[B, 1, 1, C + G]` or None (all visible) -> `[B, G, D]` and x's own keys, values
+        `[B, KVH, G, HD]` (the prefix layer caches them)."""
         c = self.config
         batch, block, _ = x.shape
         h = _rms(x, layer.attn_norm.weight, self.eps)
         q = _rope((h @ layer.q.weight.t()).view(batch, block, c.num_heads, c.head_dim), cos, sin)  # [B, G, H, HD]
         k, v = (h @ layer.kv.weight.t()).view(batch, block, 2, c.num_kv_heads, c.head_dim).unbind(2)
-        k = _rope(k, cos, sin).transpose(1, 2)  # [B, KVH, G, HD]
-        keys = torch.cat([context_k, k], dim=2)  # [B, KVH, C + G, HD]
-        values = torch.cat([context_v, v.transpose(1, 2)], dim=2)
+        k, v = _rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)  # [B, KVH, G, HD]
+        keys = k if context_k is None else torch.cat([context_k, k], dim=2)  # [B, KVH, C + G, HD]
+        values = v if context_v is None else torch.cat([context_v, v], dim=2)
         group = c.num_heads // c.num_kv_heads
         q = q.transpose(1, 2).reshape(batch, c.num_kv_heads, group * block, c.head_dim)  # heads of one kv head stacked
         scores = (q @ keys.transpose(-1, -2)) * (c.head_dim ** -0.5)  # [B, KVH, group*G, C+G]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
         out = (scores.softmax(-1) @ values).view(batch, c.num_heads, block, c.head_dim)
         x = x + out.transpose(1, 2).reshape(batch, block, -1) @ layer.o.weight.t()
         gate, up = (_rms(x, layer.mlp_norm.weight, self.eps) @ layer.gate_up.weight.t()).chunk(2, dim=-1)
-        return x + (torch.nn.functional.silu(gate) * up) @ layer.down.weight.t()
+        return x + (torch.nn.functional.silu(gate) * up) @ layer.down.weight.t(), (k, v)
 
     def forward(self, context_features, context_lengths, anchor_tokens, temperatures, uniforms):
+        d = self.drafter
+        hidden, logits, cos, sin = self.backbone(context_features, context_lengths, anchor_tokens)
+        anchor_ids = d.to_draft[anchor_tokens]  # draft-vocab ids, V_d = out of vocabulary
+        if d.prefix is not None:
+            ids, token_probs, confidences, distributions = self._draft_with_prefix(
+                hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms)
+        else:
+            op = sd.sequential_draft if self.use_plugin else sd.reference
+            ids, token_probs, confidences, distributions = op(
+                logits, hidden, anchor_ids, self.w1, self.w2, *self.gru, self.conf_w, self.conf_b, self.conf_inv_temps,
+                temperatures, uniforms, self.head, int(d.confidence is not None))
+        return d.draft_vocab[ids], token_probs, confidences, distributions
+
+    def backbone(self, context_features, context_lengths, anchor_tokens):
+        """The parallel pass: -> h_k `[B, G, D]`, U_k `[B, G, V_d]` and the block's RoPE rows
+        cos, sin `[B, G, 1, HD]`."""
         d, c = self.drafter, self.config
         batch, context, _ = context_features.shape
         fusion = d.fusion
@@ -129,13 +149,32 @@ class ExportDrafter(nn.Module):
             kv = layer_states @ layer.kv.weight.t()
             ck, cv = kv.view(batch, context, 2, c.num_kv_heads, c.head_dim).unbind(2)
             ck = _rope(ck, ccos, csin).transpose(1, 2)  # [B, KVH, C, HD]
-            x = self._attention(layer, x, bcos, bsin, ck, cv.transpose(1, 2), visible)
+            x, _ = self._attention(layer, x, bcos, bsin, ck, cv.transpose(1, 2), visible)
         hidden = _rms(x, d.final_norm.weight, self.eps)  # [B, G, D]
-        logits = hidden @ d.lm_head_t  # [B, G, V_d]
+        return hidden, hidden @ d.lm_head_t, bcos, bsin
 
-        anchor_ids = d.to_draft[anchor_tokens]  # draft-vocab ids, V_d = out of vocabulary
-        op = sd.sequential_draft if self.use_plugin else sd.reference
-        ids, token_probs, confidences, distributions = op(
-            logits, hidden, anchor_ids, self.w1, self.w2, *self.gru, self.conf_w, self.conf_b, self.conf_inv_temps,
-            temperatures, uniforms, self.head, int(d.confidence is not None))
-        return d.draft_vocab[ids], token_probs, confidences, distributions
+    def _draft_with_prefix(self, hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms):
+        """The sequential head slot by slot, the prefix layer correcting each slot's logits first
+        (what `DSparkProposer.propose` and `PrefixLayer.step` do). hidden `[B, G, D]`, logits
+        `[B, G, V_d]`, the block's RoPE rows `[B, G, 1, HD]` -> the operator's four outputs."""
+        d, prefix = self.drafter, self.drafter.prefix
+        weights = sd.HeadWeights(self.w1, self.w2, self.gru, self.conf_w, self.conf_b, self.conf_inv_temps, self.head,
+                                 int(d.confidence is not None))
+        keys = values = None  # the prefix layer's keys/values of slots 1..k-1, [B, KVH, k-1, HD]
+        previous, previous_tokens = anchor_ids, anchor_tokens  # x_{k-1}: draft-vocab ids, target ids
+        state = logits.new_zeros(logits.shape[0], self.w1.shape[1])  # RNN state s_0
+        slots = []
+        for k in range(self.block_size):  # static: the graph holds G copies of the layer
+            embedding = _rms(d.embed[previous_tokens].to(hidden.dtype), prefix.embedding_norm.weight, self.eps)
+            u = torch.cat([hidden[:, k], embedding], dim=-1) @ prefix.project.weight.t()  # [B, D]
+            out, (own_keys, own_values) = self._attention(prefix.layer, u[:, None], cos[:, k : k + 1],
+                                                          sin[:, k : k + 1], keys, values, None)
+            keys = own_keys if keys is None else torch.cat([keys, own_keys], dim=2)
+            values = own_values if values is None else torch.cat([values, own_values], dim=2)
+            correction = _rms(out[:, 0], prefix.norm.weight, self.eps) @ prefix.out.weight.t()  # [B, D]
+            # U(h_k + correction) = U_k + U(correction): the LM head is linear
+            slot = sd.draft_slot(logits[:, k] + correction @ d.lm_head_t, hidden[:, k], previous, state, k, weights,
+                                 temperatures, uniforms[:, k])
+            slots.append(slot)
+            previous, previous_tokens, state = slot.ids, d.draft_vocab[slot.ids], slot.state
+        return sd.stack_slots(slots)

@@ -60,8 +60,10 @@ def tiny_target_folder(seed: int = 0) -> Path:
     return _staged(cache_root() / "tiny" / f"target-seed{seed}", write)
 
 
-def tiny_drafter_folder(seed: int = 0, head: str = "markov", block_size: int = 4, vocab_size: int = 2048) -> Path:
-    """A tiny random DSpark drafter checkpoint for `tiny_target_folder(seed)`."""
+def tiny_drafter_folder(seed: int = 0, head: str = "markov", block_size: int = 4, vocab_size: int = 2048,
+                        prefix_layer: bool = False) -> Path:
+    """A tiny random DSpark drafter checkpoint for `tiny_target_folder(seed)` (with `prefix_layer`,
+    one whose prefix layer's output projection is non-zero too)."""
     target_folder = tiny_target_folder(seed)
 
     def write(staging: Path) -> None:
@@ -72,15 +74,18 @@ def tiny_drafter_folder(seed: int = 0, head: str = "markov", block_size: int = 4
         target = load_target(target_folder)
         config = DrafterConfig.for_target(target.name, target.config, TINY_FEATURE_LAYERS, kind="dspark", head=head,
                                           confidence=True, num_layers=1, markov_rank=16, block_size=block_size,
-                                          draft_vocab_size=vocab_size)
+                                          draft_vocab_size=vocab_size, prefix_layer=prefix_layer)
         torch.manual_seed(seed)
         drafter = build_drafter(config, torch.arange(vocab_size)).attach_target(target.model)
         with torch.no_grad():  # a non-zero head and mask embedding, so that they matter
             drafter.sequential.w2.weight.normal_(std=0.5)
             drafter.mask_embedding.normal_(std=0.5)
             drafter.confidence.weight.normal_(std=0.5)
+            if drafter.prefix is not None:  # it starts at zero, i.e. as the drafter without it
+                drafter.prefix.out.weight.normal_(std=0.5)
         save_drafter(drafter, staging / "drafter")
         (staging / "drafter").rename(staging / "ckpt")
 
-    folder = _staged(cache_root() / "tiny" / f"drafter-seed{seed}-{head}-g{block_size}-v{vocab_size}", write)
+    name = f"drafter-seed{seed}-{head}-g{block_size}-v{vocab_size}" + ("-prefix" if prefix_layer else "")
+    folder = _staged(cache_root() / "tiny" / name, write)
     return folder / "ckpt"

@@ -35,6 +35,8 @@ It does not know about drafters: the caller passes weights (see `builder/export_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 HEAD_NONE, HEAD_MARKOV, HEAD_RNN = 0, 1, 2
@@ -61,41 +63,75 @@ def _gru(x: torch.Tensor, state: torch.Tensor, w_ih, w_hh, b_ih, b_hh) -> torch.
     return (1 - z) * n + z * state
 
 
+class HeadWeights(NamedTuple):
+    """What the operator reads besides the block: the head's weights and how it is configured."""
+
+    w1: torch.Tensor  # [V + 1, R]
+    w2: torch.Tensor  # [R, V]
+    gru: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w_ih, w_hh, b_ih, b_hh
+    conf_w: torch.Tensor  # [D + R]
+    conf_b: torch.Tensor  # [1]
+    conf_inv_temps: torch.Tensor  # [G]
+    head: int
+    has_confidence: int
+
+
+class SlotDraw(NamedTuple):
+    """One slot k of a block for every row: what `draft_slot` returns."""
+
+    ids: torch.Tensor  # [B] draft-vocabulary ids x_k
+    token_probs: torch.Tensor  # [B] p_k(x_k)
+    confidences: torch.Tensor  # [B] c_k
+    distributions: torch.Tensor  # [B, V] p_k
+    state: torch.Tensor  # [B, R] the RNN state s_k (unchanged for other heads)
+
+
+def draft_slot(logits_k, hidden_k, previous, state, k: int, weights: HeadWeights, temperatures, uniforms_k) -> SlotDraw:
+    """Slot k of the operator (module docstring) for every row: logits U_k `[B, V]`, hidden h_k
+    `[B, D]`, x_{k-1} `[B]` draft ids, the RNN state s_{k-1} `[B, R]`, uniforms u_k `[B]`.
+    `reference` loops over it; so does the exported prefix-layer drafter, which corrects U_k
+    before each slot (builder/export_drafter.py)."""
+    w, vocab = weights, logits_k.shape[-1]
+    greedy = temperatures <= 0  # [B]
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]  # [B, 1]
+    # [B, R]; a DFlash drafter (no head, no confidence) has no W1, only a placeholder
+    prev_embedding = w.w1[previous] if w.head != HEAD_NONE or w.has_confidence else None
+    if w.head == HEAD_MARKOV:
+        logits_k = logits_k + prev_embedding @ w.w2
+    elif w.head == HEAD_RNN:
+        state = _gru(torch.cat([prev_embedding, hidden_k], dim=-1), state, *w.gru)
+        logits_k = logits_k + state @ w.w2
+    p_k = torch.softmax(logits_k / scale, dim=-1)  # [B, V]
+    cdf = p_k.cumsum(-1)
+    threshold = uniforms_k[:, None] * cdf[:, -1:]
+    sampled = (cdf <= threshold).sum(-1).clamp(max=vocab - 1)  # searchsorted(right=True), as runtime `sample`
+    choice = torch.where(greedy, logits_k.argmax(-1), sampled)  # [B]
+    if w.has_confidence:
+        z = (torch.cat([hidden_k, prev_embedding], dim=-1) @ w.conf_w + w.conf_b) * w.conf_inv_temps[k]
+        confidence = torch.sigmoid(z)
+    else:
+        confidence = torch.ones_like(temperatures)
+    return SlotDraw(choice, p_k.gather(-1, choice[:, None])[:, 0], confidence, p_k, state)
+
+
+def stack_slots(slots: list[SlotDraw]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot draws -> the operator's outputs (draft_ids, token_probs, confidences, distributions)."""
+    return tuple(torch.stack([getattr(s, name) for s in slots], 1)
+                 for name in ("ids", "token_probs", "confidences", "distributions"))
+
+
 def reference(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
               conf_inv_temps, temperatures, uniforms, head: int, has_confidence: int):
     """The operator's semantics (module docstring); returns (draft_ids, token_probs, confidences, distributions)."""
-    batch, block, vocab = logits.shape
-    greedy = temperatures <= 0  # [B]
-    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]  # [B, 1]
+    weights = HeadWeights(w1, w2, (gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh), conf_w, conf_b, conf_inv_temps, head,
+                          has_confidence)
     previous = anchor_ids  # [B] draft-vocabulary ids (V = out of vocabulary)
-    state = logits.new_zeros(batch, w1.shape[1])  # RNN state s_0
-    ids, token_probs, confidences, distributions = [], [], [], []
-    for k in range(block):  # a static loop: the block size is fixed per drafter
-        h_k = hidden[:, k]  # [B, D]
-        # [B, R]; a DFlash drafter (no head, no confidence) has no W1, only a placeholder
-        prev_embedding = w1[previous] if head != HEAD_NONE or has_confidence else None
-        l_k = logits[:, k]  # [B, V]
-        if head == HEAD_MARKOV:
-            l_k = l_k + prev_embedding @ w2
-        elif head == HEAD_RNN:
-            state = _gru(torch.cat([prev_embedding, h_k], dim=-1), state, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh)
-            l_k = l_k + state @ w2
-        p_k = torch.softmax(l_k / scale, dim=-1)  # [B, V]
-        cdf = p_k.cumsum(-1)
-        threshold = uniforms[:, k : k + 1] * cdf[:, -1:]
-        sampled = (cdf <= threshold).sum(-1).clamp(max=vocab - 1)  # searchsorted(right=True), as runtime `sample`
-        choice = torch.where(greedy, l_k.argmax(-1), sampled)  # [B]
-        ids.append(choice)
-        token_probs.append(p_k.gather(-1, choice[:, None])[:, 0])
-        distributions.append(p_k)
-        if has_confidence:
-            z = (torch.cat([h_k, prev_embedding], dim=-1) @ conf_w + conf_b) * conf_inv_temps[k]
-            confidences.append(torch.sigmoid(z))
-        else:
-            confidences.append(torch.ones_like(temperatures))
-        previous = choice
-    return (torch.stack(ids, 1), torch.stack(token_probs, 1), torch.stack(confidences, 1),
-            torch.stack(distributions, 1))
+    state = logits.new_zeros(logits.shape[0], w1.shape[1])  # RNN state s_0
+    slots = []
+    for k in range(logits.shape[1]):  # a static loop: the block size is fixed per drafter
+        slots.append(draft_slot(logits[:, k], hidden[:, k], previous, state, k, weights, temperatures, uniforms[:, k]))
+        previous, state = slots[-1].ids, slots[-1].state
+    return stack_slots(slots)
 
 
 # ---- face 2: the torch custom op and its ONNX node ------------------------------------------------
