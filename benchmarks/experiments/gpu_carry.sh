@@ -6,23 +6,26 @@
 #   and .gpu/gguf.part01, one per call (the machine keeps the first while warm, 30 s);
 # - the `gguf` wheel (the device image lacks it; transformers needs it to read the GGUF) travels
 #   in .gpu/whl;
-# - the committed checkpoints (64 MB) are taken out of the index until `git reset -- checkpoints`
-#   (nothing on the device needs them; the files stay on disk).
+# - the committed checkpoints (~200 MB) are taken out of the index until `git reset -- checkpoints`
+#   (nothing on the device needs them; the files stay on disk); with `prefix` (gpu_session.sh's
+#   job of that name, which reads only the bf16 set), so are the other data files (13 MB).
 # Then, with the device tool (see gpu_session.sh for what the second call runs), the second call
 # within 30 s of the first (the machine keeps the first half only while warm):
+#   bash benchmarks/experiments/gpu_carry.sh prefix        # or: scale
 #   run(command="ls -la .gpu", carry=[".gpu/gguf.part00", ".gpu/whl"])
-#   run(command="bash benchmarks/experiments/gpu_session.sh", carry=[".gpu/gguf.part01"], timeout_s=600)
+#   run(command="bash benchmarks/experiments/gpu_session.sh prefix", carry=[".gpu/gguf.part01"], timeout_s=600)
 #   bash benchmarks/experiments/gpu_carry.sh --restore
 # Commit nothing before --restore: the index holds the drafters' deletion until then.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-if [ "${1:-}" = "--restore" ]; then  # the checkpoints back in the index and out of the exclude list
-    git reset -q -- checkpoints
-    sed -i '\#^/checkpoints/$#d' .git/info/exclude
-    git status --short checkpoints
+if [ "${1:-}" = "--restore" ]; then  # the checkpoints and data back in the index and out of the exclude list
+    git reset -q -- checkpoints data
+    sed -i '\#^/checkpoints/$#d; \#^/data/#d' .git/info/exclude
+    git status --short checkpoints data
     echo "restored"
     exit 0
 fi
+job=${1:-scale}
 grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
 grep -qx '/checkpoints/' .git/info/exclude || echo '/checkpoints/' >> .git/info/exclude
 mkdir -p .gpu/whl
@@ -32,6 +35,12 @@ split -n 2 -d -a 2 "$gguf_file" .gpu/gguf.part
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d .gpu/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 git rm -r -q --cached checkpoints
+if [ "$job" = "prefix" ]; then  # it reads the bf16 set alone
+    for f in $(git ls-files data | grep -v '^data/train/smollm2-135m-instruct.bf16.jsonl.gz$'); do
+        git rm -q --cached "$f"
+        echo "/$f" >> .git/info/exclude
+    done
+fi
 # What travels with each call: the tree git would send plus one half of the target (limit 64 MiB).
 tree_bytes=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null \
     | awk '{s += $1} END {print s}')

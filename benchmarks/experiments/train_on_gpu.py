@@ -3,6 +3,10 @@
     python benchmarks/experiments/train_on_gpu.py --data data/train/smollm2-135m-instruct.jsonl \
         --features-dir /tmp/features --runs /tmp/runs --export-dir /tmp/export --wall-seconds 480
 
+`--kinds dspark,eagle3` trains only those; `--prefix-layer` gives the DSpark run its prefix layer;
+`--feature-processes N` computes the features in N processes sharing the GPU (one row per target
+pass is Python-bound: ~26 ms a row on an H200 from one process).
+
 What it does, in order:
 1. computes the target features of every training row on the GPU (`ensure_features`), and, when
    `--reference` names an .npz of per-row target normalisers computed elsewhere (on the CPU),
@@ -32,6 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
+PROBE_ROWS = 512
 
 
 def wait_or_kill(process: subprocess.Popen, deadline: float) -> None:
@@ -41,6 +46,19 @@ def wait_or_kill(process: subprocess.Popen, deadline: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def features_in_processes(rows: list[dict], args) -> None:
+    """`--feature-processes` shards of this script, each computing the features of every N-th row."""
+    command = [sys.executable, __file__, "--data", str(args.data), "--features-dir", str(args.features_dir),
+               "--runs", str(args.runs), "--export-dir", str(args.export_dir), "--device", args.device]
+    if args.limit_rows:
+        command += ["--limit-rows", str(args.limit_rows)]
+    shards = [subprocess.Popen([*command, "--features-shard", f"{i}/{args.feature_processes}"])
+              for i in range(args.feature_processes)]
+    failed = [i for i, shard in enumerate(shards) if shard.wait() != 0]
+    if failed:
+        raise SystemExit(f"feature shards {failed} failed")
 
 
 def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], args) -> dict[str, float]:
@@ -54,15 +72,15 @@ def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], ar
         train_drafter,
     )
 
-    sequences = load_sequences(rows, args.features_dir)
+    sequences = load_sequences(rows[:PROBE_ROWS], args.features_dir)  # a step costs the same on any rows
     vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
     probe = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for kind in KINDS:
+        for kind in args.kinds:
             config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
                                  anchors_per_sequence=args.anchors, learning_rate=args.lr)
             run = Path(scratch) / kind
-            drafter_config = drafter_config_for(kind, target, layers)
+            drafter_config = drafter_config_for(kind, target, layers, prefix_layer=args.prefix_layer and kind == "dspark")
             train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=3,
                           device=args.device)
             warm = run_progress(run)["elapsed"]
@@ -94,7 +112,14 @@ def main() -> int:
     parser.add_argument("--limit-rows", type=int, default=0, help="dry runs: use only this many rows")
     parser.add_argument("--reference", type=Path, default=None, help=".npz: row id -> target logsumexp")
     parser.add_argument("--summary", type=Path, default=None, help="default: RUNS/summary.json")
+    parser.add_argument("--kinds", type=lambda text: tuple(text.split(",")), default=KINDS,
+                        help="comma-separated kinds to train (default: all four)")
+    parser.add_argument("--prefix-layer", action="store_true", help="the DSpark run gets a prefix layer")
+    parser.add_argument("--feature-processes", type=int, default=1, help="compute the features in N processes")
+    parser.add_argument("--features-shard", default=None, help=argparse.SUPPRESS)  # I/N: one feature process
     args = parser.parse_args()
+    if unknown := set(args.kinds) - set(KINDS):
+        parser.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     wall_deadline = time.monotonic() + args.wall_seconds
     # A stopped run's export from its checkpoint is a whole `dspark-trt train` start-up (target
     # and every row's features loaded), side by side for the four.
@@ -113,7 +138,9 @@ def main() -> int:
     from dspark_trt.training.datagen import feature_file
     from dspark_trt.training.trainer import is_held_out
 
-    summary: dict = {"device": args.device, "batch_size": args.batch_size, "anchors": args.anchors, "lr": args.lr}
+    summary: dict = {"device": args.device, "data": str(args.data), "kinds": list(args.kinds),
+                     "prefix_layer": args.prefix_layer, "batch_size": args.batch_size, "anchors": args.anchors,
+                     "lr": args.lr, "feature_processes": args.feature_processes}
     summary_path = args.summary or args.runs / "summary.json"
     args.runs.mkdir(parents=True, exist_ok=True)
 
@@ -128,9 +155,17 @@ def main() -> int:
     if args.limit_rows:
         rows = rows[: args.limit_rows]
         data_path = args.runs / "rows.jsonl"  # the subprocesses read exactly these rows
-        data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if not args.features_shard:
+            data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.features_shard:  # one of --feature-processes: its rows' features, then exit
+        index, count = (int(x) for x in args.features_shard.split("/"))
+        ensure_features(target, rows[index::count], args.features_dir, layers)
+        return 0
     began = time.perf_counter()
-    ensure_features(target, rows, args.features_dir, layers)
+    if args.feature_processes > 1:
+        ensure_features(target, [], args.features_dir, layers)  # the cache's manifest, before the shards write
+        features_in_processes(rows, args)
+    ensure_features(target, rows, args.features_dir, layers)  # (any a shard left, none after a clean run)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     summary["feature_seconds"] = round(time.perf_counter() - began, 1)
@@ -167,18 +202,22 @@ def main() -> int:
         steps = max(50, min(args.max_steps, steps // 50 * 50))
     summary["steps"] = steps
     save_summary()
-    print(f"training all four for {steps} steps", flush=True)
+    print(f"training {', '.join(args.kinds)} for {steps} steps", flush=True)
 
     # All four at once; each is a plain `dspark-trt train` run.
     deadline = wall_deadline - export_seconds
     began = time.perf_counter()
     with ExitStack() as logs:
         processes = {}
-        for kind in KINDS:
+        for kind in args.kinds:
             command = [sys.executable, "-m", "dspark_trt.cli", "train", "--data", str(data_path),
                        "--features-dir", str(args.features_dir), "--output", str(args.runs / kind), "--kind", kind,
                        "--steps", str(steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
-                       "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / kind)]
+                       "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / kind),
+                       "--features-dtype", "float32",  # what this script's fp32 target computed
+                       "--no-compile-loss"]  # eager, as the probe timed it (and no compile to wait for)
+            if args.prefix_layer and kind == "dspark":
+                command.append("--prefix-layer")
             log = logs.enter_context(open(args.runs / f"{kind}.log", "w"))
             processes[kind] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
         for process, _, _ in processes.values():
