@@ -5,6 +5,7 @@
     DIR/profile.json      the latency profile measured at build time (runtime/profile.py)
     DIR/drafter/          the drafter checkpoint (config.json + model.safetensors), copied in
     DIR/onnx/             target.onnx, drafter.onnx (SequentialDraft node), drafter_unrolled.onnx
+                          (with a prefix layer: drafter.onnx alone, all standard ops)
     DIR/engines/          TensorRT engines, when they were built
     DIR/validation/       validation report and polygraphy golden inputs/outputs
 
