@@ -214,6 +214,10 @@ def test_prefix_layer_drafter_builds_one_standard_ops_graph(built_prefix):
     assert all(manifest["validation"].values())
     model = onnx.load(str(output / "onnx" / "drafter.onnx"))
     assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    # the draft LM head (hidden x draft vocabulary) is stored once, though every slot uses it
+    shapes = [list(t.dims) for t in model.graph.initializer]
+    shapes += [list(a.t.dims) for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    assert shapes.count([64, 2048]) == 1
     report = json.loads((output / "validation" / "report.json").read_text())
     assert report["plugin_node"] == {"count": 0, "expected": 0, "attributes": {}, "ok": True}
     assert report["drafter"]["greedy_tokens_identical_onnxruntime"]

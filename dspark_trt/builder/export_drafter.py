@@ -66,6 +66,10 @@ class ExportDrafter(nn.Module):
         self.head = sd.HEAD_CODES[c.head]
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32)
                                                                  / c.head_dim)), persistent=False)
+        # A persistent buffer, so the graph holds the draft LM head once, as an initializer: a plain
+        # tensor attribute (or a non-persistent buffer) is traced into a constant per use, and the
+        # prefix layer's loop uses it once per slot (8 x 19 MB for SmolLM2's drafter).
+        self.register_buffer("lm_head_t", drafter.lm_head_t)
         temps = c.confidence_temperatures or [1.0] * c.block_size
         self.register_buffer("conf_inv_temps", 1.0 / torch.tensor(temps[: c.block_size], dtype=torch.float32))
         # Placeholders for the op's unused weights (one element: TensorRT dislikes empty tensors).
@@ -151,7 +155,7 @@ class ExportDrafter(nn.Module):
             ck = _rope(ck, ccos, csin).transpose(1, 2)  # [B, KVH, C, HD]
             x, _ = self._attention(layer, x, bcos, bsin, ck, cv.transpose(1, 2), visible)
         hidden = _rms(x, d.final_norm.weight, self.eps)  # [B, G, D]
-        return hidden, hidden @ d.lm_head_t, bcos, bsin
+        return hidden, hidden @ self.lm_head_t, bcos, bsin
 
     def _draft_with_prefix(self, hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms):
         """The sequential head slot by slot, the prefix layer correcting each slot's logits first
@@ -173,7 +177,7 @@ class ExportDrafter(nn.Module):
             values = own_values if values is None else torch.cat([values, own_values], dim=2)
             correction = _rms(out[:, 0], prefix.norm.weight, self.eps) @ prefix.out.weight.t()  # [B, D]
             # U(h_k + correction) = U_k + U(correction): the LM head is linear
-            slot = sd.draft_slot(logits[:, k] + correction @ d.lm_head_t, hidden[:, k], previous, state, k, weights,
+            slot = sd.draft_slot(logits[:, k] + correction @ self.lm_head_t, hidden[:, k], previous, state, k, weights,
                                  temperatures, uniforms[:, k])
             slots.append(slot)
             previous, previous_tokens, state = slot.ids, d.draft_vocab[slot.ids], slot.state
