@@ -134,7 +134,7 @@ def main() -> int:
 
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import ensure_features, read_rows
+    from dspark_trt.training.data import check_feature_cache, ensure_features, read_rows
     from dspark_trt.training.datagen import feature_file
     from dspark_trt.training.trainer import is_held_out
 
@@ -163,7 +163,7 @@ def main() -> int:
         return 0
     began = time.perf_counter()
     if args.feature_processes > 1:
-        ensure_features(target, [], args.features_dir, layers)  # the cache's manifest, before the shards write
+        check_feature_cache(args.features_dir, target, layers)  # writes its manifest, before the shards do
         features_in_processes(rows, args)
     ensure_features(target, rows, args.features_dir, layers)  # (any a shard left, none after a clean run)
     if args.device.startswith("cuda"):

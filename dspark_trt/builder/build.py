@@ -212,7 +212,8 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
             runnable = onnx_dir / ("drafter_unrolled.onnx" if plugin else "drafter.onnx")  # by ONNX Runtime
             checks["drafter"] = validate.validate_drafter(drafter, config, drafter_feeds, runnable, report_dir)
             checks["plugin_node"] = validate.check_plugin_node(onnx_dir / "drafter.onnx", expected=int(plugin))
-        checks["polygraphy"] = validate.inspect_and_lint(onnx_dir, report_dir)
+        plugin_graphs = frozenset({"drafter.onnx"} if drafter is not None and plugin else ())
+        checks["polygraphy"] = validate.inspect_and_lint(onnx_dir, report_dir, plugin_graphs)
         (report_dir / "report.json").write_text(json.dumps(checks, indent=2) + "\n")
         files["validation"] = "validation/report.json"
         _summarise_validation(checks, progress)
