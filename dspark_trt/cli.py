@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dspark_trt import __version__
 from dspark_trt.cli_options import dtype_option, features_dtype_option
@@ -107,6 +108,11 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
 @click.option("--prompts", "prompt_specs", multiple=True, default=DEFAULT_DATAGEN_MIX, show_default=True,
               help="Prompt set NAME[:LIMIT] (repeatable): gsm8k-train, t0, self-instruct, code-stdlib, "
                    "code-stdlib-complete, code-stdlib-extra, code-stdlib-extra-complete, or a JSONL path.")
+@click.option("--follow-up", "follow_up_data", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A datagen file: ask second turns after its training chat rows' answers (generic follow-up "
+                   "questions, ids followup/<row id>/<r>). Alone, unless --prompts is given too.")
+@click.option("--follow-ups-per-row", type=click.IntRange(1, 12), default=1, show_default=True,
+              help="With --follow-up: how many different follow-up questions to ask after each answer.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file to append rows to; rows already there are skipped (resumable).")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Longest response.")
@@ -123,13 +129,14 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
                    "--output; concatenate the files afterwards).")
 @device_option("the target generates (sampling and the written rows stay on the CPU)")
 @dtype_option
-def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, temperatures, batch_size, seed,
-            features_dir, feature_layers, shard, device, dtype):
+def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, output, max_tokens, max_prompt_tokens,
+            temperatures, batch_size, seed, features_dir, feature_layers, shard, device, dtype):
     """Regenerate responses to training prompts with the target itself (self-distillation data)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.datagen import DatagenConfig, generate_dataset
-    from dspark_trt.training.prompts import load_prompts
+    from dspark_trt.training.data import read_rows
+    from dspark_trt.training.prompts import follow_up_prompts, load_prompts
 
     temps = tuple(parse_floats(temperatures, "--temperatures"))
     if any(t < 0 for t in temps) or not temps:
@@ -138,10 +145,15 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
     if not (shard_index.isdigit() and num_shards.isdigit() and int(shard_index) < int(num_shards)):
         raise click.BadParameter(f"expected I/N with 0 <= I < N, got {shard!r}", param_hint="--shard")
     device = parse_device(device)
-    prompts = interleave([load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs])
+    prompts_given = click.get_current_context().get_parameter_source("prompt_specs") != ParameterSource.DEFAULT
+    prompt_sets = [load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs] if prompts_given or not follow_up_data \
+        else []
     from dspark_trt.models.linear import resolve_dtype
 
     loaded = load_target(target, resolve_dtype(dtype, device))  # the serving dtype: what drafts are verified against
+    if follow_up_data:
+        prompt_sets.append(follow_up_prompts(read_rows(follow_up_data), loaded.tokenizer, follow_ups_per_row))
+    prompts = interleave(prompt_sets)
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
@@ -177,7 +189,7 @@ def datagen(target, prompt_specs, output, max_tokens, max_prompt_tokens, tempera
 @click.option("--prefix-layer/--no-prefix-layer", default=None,
               help="DSpark: a causal layer over the drafted prefix corrects each slot before the LM head, so later "
                    "slots know the tokens drafted before them (default: off for a new run; a resumed run keeps what "
-                   "it started with). Not exported to ONNX/TensorRT yet.")
+                   "it started with). Exports in standard ONNX ops (slot by slot), without the plugin.")
 @click.option("--steps", type=int, default=2000, show_default=True)
 @click.option("--stop-at", type=int, default=None, help="Stop (resumably) at this step of the schedule.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")

@@ -3,10 +3,15 @@
 import gzip
 import json
 
+import pytest
+
+from dspark_trt import DsparkError
 from dspark_trt.training.prompts import (
     DATA_DIR,
     EVALUATION_SETS,
+    FOLLOW_UPS,
     TRAINING_SETS,
+    follow_up_prompts,
     load_prompts,
 )
 
@@ -71,3 +76,90 @@ def test_the_extra_stdlib_sets_do_not_depend_on_what_was_imported_first():
     texts = [first_user_text(p) for p in load_prompts("code-stdlib-extra")]
     assert not any("warning_advice" in text for text in texts)
     assert any("`Logger." in text for text in texts)  # the stdlib's own Logger methods stay
+
+
+def chat_rows(tokenizer, count: int) -> list[dict]:
+    """Rows as datagen writes them for the first `count` T0 prompts, each answered by EOS."""
+    from dspark_trt.runtime.chat import encode_chat
+
+    rows = []
+    for prompt in load_prompts("t0", count):
+        answer = tokenizer(f"Answer to {prompt.prompt_id}.", add_special_tokens=False).input_ids
+        rows.append({"id": prompt.prompt_id, "domain": "chat", "temperature": 0.0,
+                     "prompt_ids": encode_chat(tokenizer, prompt.messages), "finish_reason": "stop",
+                     "response_ids": answer + [tokenizer.eos_token_id]})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_folder)
+
+
+def test_follow_ups_are_second_turns_after_training_chat_answers_only(tokenizer):
+    """Every training chat row that ended by EOS gets `per_row` second turns: its own first turn,
+    the target's answer, then a generic question; held-out rows (their prompt must never reach
+    training), cut answers and other domains get none."""
+    from dspark_trt.training.trainer import is_held_out
+
+    rows = chat_rows(tokenizer, 80)
+    rows[1]["finish_reason"] = "length"
+    rows[2]["domain"] = "math"
+    held_out = [row["id"] for row in rows if is_held_out(row["id"])]
+    assert held_out  # else the split is not exercised
+    kept = [row for i, row in enumerate(rows) if i not in (1, 2) and row["id"] not in held_out]
+    prompts = follow_up_prompts(rows, tokenizer, per_row=2)
+    assert [p.prompt_id for p in prompts] == [f"followup/{row['id']}/{turn}" for row in kept for turn in (0, 1)]
+    t0 = {p.prompt_id: p.messages for p in load_prompts("t0", 80)}
+    for index, prompt in enumerate(prompts):
+        row = kept[index // 2]
+        first, answer, question = prompt.messages[:-2], prompt.messages[-2], prompt.messages[-1]
+        assert first == t0[row["id"]] and prompt.domain == "chat"
+        assert answer == {"role": "assistant", "content": f"Answer to {row['id']}."}
+        assert question["role"] == "user" and question["content"] in FOLLOW_UPS
+    # datagen cycles temperatures 0, 1 by position: every question is asked at both
+    for parity in (0, 1):
+        assert {p.messages[-1]["content"] for p in prompts[parity::2]} == set(FOLLOW_UPS)
+    assert all(a.messages[-1] != b.messages[-1] for a, b in zip(prompts[::2], prompts[1::2], strict=True))
+
+
+def test_follow_ups_refuse_rows_from_another_set_or_tokenizer(tokenizer):
+    rows = chat_rows(tokenizer, 3)
+    wrong_ids = [dict(rows[0], prompt_ids=rows[0]["prompt_ids"][:-1])]
+    with pytest.raises(DsparkError, match="t0/0.*prompt_ids are not t0's prompt 0"):
+        follow_up_prompts(wrong_ids, tokenizer)
+    evaluation = [dict(rows[0], id="mt-bench/0")]
+    with pytest.raises(DsparkError, match="'mt-bench/0' is not from a training prompt set"):
+        follow_up_prompts(evaluation, tokenizer)
+
+
+def test_datagen_follow_up_writes_second_turns_alone(tiny_llama, tokenizer, tmp_path):
+    """`datagen --follow-up DATA` generates the second turns only (no default prompt mix), with
+    prompts that hold the first turn's ids and the answer, resumably."""
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+
+    data = tmp_path / "rows.jsonl"
+    rows = [row for row in chat_rows(tokenizer, 30) if len(row["prompt_ids"]) < 150 and follow_up_prompts([row], tokenizer)]
+    rows = rows[:5]  # the tiny target's context is 256 tokens
+    assert len(rows) >= 3
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "followup.jsonl"
+    command = ["datagen", "--target", str(tiny_llama), "--follow-up", str(data), "--output", str(output),
+               "--max-tokens", "3", "--max-prompt-tokens", "200", "--batch-size", "4", "--device", "cpu"]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(r["id"] for r in written) == sorted(f"followup/{row['id']}/0" for row in rows)
+    by_id = {row["id"]: row for row in rows}
+    for row in written:
+        first = by_id[row["id"].split("/", 1)[1].rsplit("/", 1)[0]]
+        answer = first["response_ids"][:-1]
+        assert row["prompt_ids"][: len(first["prompt_ids"]) - 2] == first["prompt_ids"][:-2]  # the first turn
+        assert any(row["prompt_ids"][i:i + len(answer)] == answer for i in range(len(row["prompt_ids"])))
+        assert row["domain"] == "chat" and 1 <= len(row["response_ids"]) <= 3
+    again = CliRunner().invoke(main, command)
+    assert again.exit_code == 0 and "wrote 0 new rows" in again.output

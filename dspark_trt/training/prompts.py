@@ -16,6 +16,10 @@ Named sets (see `data/SOURCES.md` for origins and licenses):
 | humaneval     | humaneval/HumanEval.jsonl.gz       | code   | evaluation |
 | gsm8k         | gsm8k/test.jsonl                   | math   | evaluation |
 
+Second turns (`follow_up_prompts`, `dspark-trt datagen --follow-up DATA`) are built from a datagen
+file instead: a training chat row's own conversation, the target's answer to it, then one of
+`FOLLOW_UPS` (generic requests written for this project, none taken from an evaluation set).
+
 Any other value is read as a JSONL path whose rows hold one of the fields `prompt`,
 `question`, `instruction`, `turns` (first turn) or `messages`. Every prompt is returned as a
 chat conversation (a list of messages), because the targets we serve are chat models; the
@@ -241,6 +245,55 @@ BUILT_CODE_SETS = {  # name -> its prompts, built from this Python's stdlib
     "code-stdlib-extra": lambda: [write_a_function(*f) for f in stdlib_extra_functions()],
     "code-stdlib-extra-complete": lambda: [complete_a_function(*f) for f in stdlib_extra_functions()],
 }
+
+
+# Generic second turns, asked in turn of the rows (written here, not taken from MT-Bench, whose
+# second turns are specific to each question).
+FOLLOW_UPS = (
+    "Can you explain that in more detail?",
+    "Summarize your answer in one sentence.",
+    "Give me a concrete example.",
+    "Rewrite your answer so that a ten-year-old could understand it.",
+    "List the main points of your answer as bullet points.",
+    "Make your answer shorter.",
+    "Why? Explain your reasoning step by step.",
+    "Rewrite your answer in a more formal tone.",
+    "Suggest a good title for your answer.",
+    "What did you leave out? Add anything important.",
+    "Are you sure? Check your answer and correct any mistakes.",
+    "Now answer the same question for a different audience: experts in the field.",
+)
+
+
+def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Prompt]:
+    """Second turns after the target's own chat answers: for every training row (never a held-out
+    one: its prompt must not reach training in any turn) of domain chat that ended by EOS (a cut
+    answer is no place for a follow-up), the row's conversation, the answer, and `per_row` of
+    `FOLLOW_UPS` in turn, one prompt each. Ids are `followup/<row id>/<r>`. The row's prompt must re-encode to its own
+    `prompt_ids` (same set, same tokenizer), or the row is refused by id."""
+    from dspark_trt.runtime.chat import encode_chat
+    from dspark_trt.training.trainer import is_held_out  # (imports torch: datagen has it loaded)
+
+    sets: dict[str, list[Prompt]] = {}
+    prompts = []
+    for row in rows:
+        if row.get("domain") != "chat" or row.get("finish_reason") != "stop" or is_held_out(row["id"]):
+            continue
+        set_name, _, index = row["id"].rpartition("/")
+        if set_name not in TRAINING_SETS or not index.isdigit():
+            raise DsparkError(f"follow-up: row {row['id']!r} is not from a training prompt set")
+        if set_name not in sets:
+            sets[set_name] = load_prompts(set_name)
+        first = sets[set_name][int(index)].messages
+        if encode_chat(tokenizer, first) != row["prompt_ids"]:
+            raise DsparkError(f"follow-up: row {row['id']!r}: its prompt_ids are not {set_name}'s prompt {index} "
+                              "under this tokenizer (another target or another version of the set?)")
+        answer = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
+        for turn in range(per_row):  # (datagen cycles temperatures by position: each question meets each)
+            question = FOLLOW_UPS[(len(prompts) // per_row + turn * 7) % len(FOLLOW_UPS)]
+            conversation = [*first, {"role": "assistant", "content": answer}, *user(question)]
+            prompts.append(Prompt(f"followup/{row['id']}/{turn}", "chat", conversation))
+    return prompts
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
