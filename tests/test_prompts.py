@@ -123,6 +123,10 @@ def test_follow_ups_are_second_turns_after_training_chat_answers_only(tokenizer)
     for parity in (0, 1):
         assert {p.messages[-1]["content"] for p in prompts[parity::2]} == set(FOLLOW_UPS)
     assert all(a.messages[-1] != b.messages[-1] for a, b in zip(prompts[::2], prompts[1::2], strict=True))
+    one_each = follow_up_prompts(rows, tokenizer)
+    assert [p.prompt_id for p in one_each] == [f"followup/{row['id']}/0" for row in kept]
+    for parity in (0, 1):
+        assert {p.messages[-1]["content"] for p in one_each[parity::2]} == set(FOLLOW_UPS)
 
 
 def test_follow_ups_refuse_rows_from_another_set_or_tokenizer(tokenizer):

@@ -289,8 +289,9 @@ def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Pro
             raise DsparkError(f"follow-up: row {row['id']!r}: its prompt_ids are not {set_name}'s prompt {index} "
                               "under this tokenizer (another target or another version of the set?)")
         answer = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
-        for turn in range(per_row):  # (datagen cycles temperatures by position: each question meets each)
-            question = FOLLOW_UPS[(len(prompts) // per_row + turn * 7) % len(FOLLOW_UPS)]
+        row_number = len(prompts) // per_row
+        for turn in range(per_row):  # datagen cycles temperatures 0, 1 by position: each question meets both
+            question = FOLLOW_UPS[(row_number // 2 + turn * 7) % len(FOLLOW_UPS)]
             conversation = [*first, {"role": "assistant", "content": answer}, *user(question)]
             prompts.append(Prompt(f"followup/{row['id']}/{turn}", "chat", conversation))
     return prompts
