@@ -9,11 +9,12 @@
 # - the wheels the device image lacks travel in .gpu/whl: `gguf` (transformers reads the GGUF
 #   with it) and pydantic with its own needs (`dspark_trt.cli` imports the server's protocol);
 # - the committed checkpoints (~200 MB) are taken out of the index until `git reset -- checkpoints`
-#   (nothing on the device needs them; the files stay on disk); with `prefix` (gpu_session.sh's
-#   job of that name, which reads only the bf16 set), so are the other data files (13 MB).
+#   (nothing on the device needs them; the files stay on disk); with `prefix` or `data`
+#   (gpu_session.sh's jobs, which read only the bf16 set, or the bf16 sets), so are the other data
+#   files (13 MB).
 # Then, with the device tool (see gpu_session.sh for what the second call runs), the second call
 # within 30 s of the first (the machine keeps the first half only while warm):
-#   bash benchmarks/experiments/gpu_carry.sh prefix        # or: scale
+#   bash benchmarks/experiments/gpu_carry.sh prefix        # or: data, scale
 #   run(command="cp .gpu/gguf.part00 /tmp/", carry=[".gpu/gguf.part00"])
 #   run(command="bash benchmarks/experiments/gpu_session.sh prefix", carry=[".gpu/gguf.part01", ".gpu/whl"],
 #       timeout_s=600)
@@ -41,8 +42,13 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
     "pydantic_core==$(version pydantic_core)" "annotated-types==$(version annotated-types)" \
     "typing-inspection==$(version typing-inspection)" "typing_extensions==$(version typing_extensions)"
 git rm -r -q --cached checkpoints
-if [ "$job" = "prefix" ]; then  # it reads the bf16 set alone
-    for f in $(git ls-files data | grep -v '^data/train/smollm2-135m-instruct.bf16.jsonl.gz$'); do
+case "$job" in  # the data files the job reads; the rest stay here
+prefix) keep='^data/train/smollm2-135m-instruct\.bf16\.jsonl\.gz$' ;;
+data) keep='^data/train/smollm2-135m-instruct\.bf16[a-z-]*\.jsonl\.gz$' ;;
+*) keep='' ;;
+esac
+if [ -n "$keep" ]; then
+    for f in $(git ls-files data | grep -v "$keep"); do
         git rm -q --cached "$f"
         echo "/$f" >> .git/info/exclude
     done

@@ -7,6 +7,12 @@
 #       (train_on_gpu.py: features in 8 processes, a probe, one step count for both, ~480 s),
 #       4x the CPU recipe's blocks per step (32 sequences x 128 anchors). Returns summary.json,
 #       train_logs.tar.gz and drafters.tar.gz.part* (the two fp16 exports, ~45 MB).
+#   bash benchmarks/experiments/gpu_session.sh data        then, on the warm machine:  data-resume
+#       more data: the same pair on the three bf16 sets (the mix, the extra code set, the chat
+#       follow-ups), with a 5-layer DSpark beside them, 800 steps (the schedule of `prefix`'s first
+#       call); returns summary.json, train_logs.tar.gz and the 5-layer export (dspark5.tar.gz.part*).
+#       `data-resume` continues the pair to 1,600 steps (a new cosine from step 800, as `prefix`'s
+#       second call did) and returns their exports (drafters.tar.gz.part*) and logs.
 #   bash benchmarks/experiments/gpu_session.sh scale
 #       the cuda-marked tests, then scale_on_gpu.py (datagen of the whole mix, then the four
 #       kinds). Returns cuda_tests.txt, rows.jsonl.gz, scale_summary.json, drafters.tar.gz.part*.
@@ -23,6 +29,10 @@ export PYTHONPATH=/tmp/site:$PWD DSPARK_TRT_CACHE=/tmp/cache PYTHONUNBUFFERED=1
 start=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+DATA_ARGS=()  # the data job's three sets
+for f in data/train/smollm2-135m-instruct.bf16.jsonl.gz data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz \
+    data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz; do DATA_ARGS+=(--data "$f"); done
+
 case "${1:-prefix}" in
 prefix)
     python3 benchmarks/experiments/train_on_gpu.py --data data/train/smollm2-135m-instruct.bf16.jsonl.gz \
@@ -35,6 +45,29 @@ prefix)
     tar czf - -C /tmp/gpu export | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
     ls -la "$OUT"
     ;;
+data)
+    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3,dspark:5 --prefix-layer \
+        --batch-size 32 --anchors 128 --lr 1e-3 --steps 800 --feature-processes 14 --features-dir /tmp/gpu/features \
+        --runs /tmp/gpu/runs --export-dir /tmp/gpu/export --wall-seconds 560 2>&1 | grep -v -a "it/s\]\|row/s\]"
+    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
+    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
+    tar czf - -C /tmp/gpu/export dspark-5layer | split -b 15M -d -a 1 - "$OUT/dspark5.tar.gz.part"
+    ls -la "$OUT"
+    ;;
+data-resume)  # the pair from its 800-step state to a 1,600-step schedule, side by side
+    for kind in dspark eagle3; do
+        extra=(); [ "$kind" = dspark ] && extra=(--prefix-layer)
+        python3 -m dspark_trt.cli train "${DATA_ARGS[@]}" --features-dir /tmp/gpu/features --output "/tmp/gpu/runs/$kind" \
+            --kind "$kind" --steps 1600 --batch-size 32 --anchors 128 --lr 1e-3 --device cuda \
+            --export "/tmp/gpu/export1600/$kind" --features-dtype float32 --no-compile-loss "${extra[@]}" \
+            > "/tmp/gpu/runs/$kind.1600.log" 2>&1 &
+    done
+    wait
+    echo "resumed runs done at $((SECONDS - start)) s"; tail -n 3 /tmp/gpu/runs/*.1600.log
+    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs_1600.tar.gz" ./*/train_log.jsonl ./*.log)
+    tar czf - -C /tmp/gpu export1600 | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
+    ls -la "$OUT"
+    ;;
 scale)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_train_cuda.py \
         > "$OUT/cuda_tests.txt" 2>&1
@@ -45,7 +78,7 @@ scale)
         --train-steps 1500 --wall-seconds $((570 - (SECONDS - start)))
     ;;
 *)
-    echo "usage: gpu_session.sh [prefix|scale]" >&2
+    echo "usage: gpu_session.sh [prefix|data|data-resume|scale]" >&2
     exit 2
     ;;
 esac

@@ -3,9 +3,11 @@
     python benchmarks/experiments/train_on_gpu.py --data data/train/smollm2-135m-instruct.jsonl \
         --features-dir /tmp/features --runs /tmp/runs --export-dir /tmp/export --wall-seconds 480
 
-`--kinds dspark,eagle3` trains only those; `--prefix-layer` gives the DSpark run its prefix layer;
-`--feature-processes N` computes the features in N processes sharing the GPU (one row per target
-pass is Python-bound: ~26 ms a row on an H200 from one process).
+`--kinds dspark,eagle3` trains only those, `dspark:5` a DSpark with a 5-layer backbone (run
+`dspark-5layer`) beside them; `--prefix-layer` gives the DSpark runs their prefix layer; `--data`
+repeats for several files (as `dspark-trt train --data`); `--feature-processes N` computes the
+features in N processes sharing the GPU (one row per target pass is Python-bound: ~26 ms a row on
+an H200 from one process).
 
 What it does, in order:
 1. computes the target features of every training row on the GPU (`ensure_features`), and, when
@@ -33,10 +35,38 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp1")
 PROBE_ROWS = 512
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: a drafter kind, and its backbone depth when not the kind's default."""
+
+    kind: str
+    num_layers: int | None = None
+
+    @property
+    def name(self) -> str:  # the run's folder and export name
+        return self.kind if self.num_layers is None else f"{self.kind}-{self.num_layers}layer"
+
+
+def parse_runs(text: str) -> tuple[RunSpec, ...]:
+    """`dspark,eagle3,dspark:5` -> run specs; raises ValueError naming what is wrong."""
+    specs = []
+    for item in text.split(","):
+        kind, _, layers = item.partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+        if layers and not (layers.isdigit() and int(layers) >= 1):
+            raise ValueError(f"{item!r}: the layer count after ':' must be a positive integer")
+        specs.append(RunSpec(kind, int(layers) if layers else None))
+    if len({spec.name for spec in specs}) != len(specs):
+        raise ValueError(f"{text!r} names a run twice")
+    return tuple(specs)
 
 
 def wait_or_kill(process: subprocess.Popen, deadline: float) -> None:
@@ -50,7 +80,7 @@ def wait_or_kill(process: subprocess.Popen, deadline: float) -> None:
 
 def features_in_processes(rows: list[dict], args) -> None:
     """`--feature-processes` shards of this script, each computing the features of every N-th row."""
-    command = [sys.executable, __file__, "--data", str(args.data), "--features-dir", str(args.features_dir),
+    command = [sys.executable, __file__, *data_arguments(args.data), "--features-dir", str(args.features_dir),
                "--runs", str(args.runs), "--export-dir", str(args.export_dir), "--device", args.device]
     if args.limit_rows:
         command += ["--limit-rows", str(args.limit_rows)]
@@ -59,6 +89,10 @@ def features_in_processes(rows: list[dict], args) -> None:
     failed = [i for i, shard in enumerate(shards) if shard.wait() != 0]
     if failed:
         raise SystemExit(f"feature shards {failed} failed")
+
+
+def data_arguments(paths: list[Path]) -> list[str]:
+    return [arg for path in paths for arg in ("--data", str(path))]
 
 
 def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], args) -> dict[str, float]:
@@ -76,25 +110,27 @@ def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], ar
     vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
     probe = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for kind in args.kinds:
+        for spec in args.kinds:
             config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
                                  anchors_per_sequence=args.anchors, learning_rate=args.lr)
-            run = Path(scratch) / kind
-            drafter_config = drafter_config_for(kind, target, layers, prefix_layer=args.prefix_layer and kind == "dspark")
+            run = Path(scratch) / spec.name
+            drafter_config = drafter_config_for(spec.kind, target, layers, num_layers=spec.num_layers or 2,
+                                                prefix_layer=args.prefix_layer and spec.kind == "dspark")
             train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=3,
                           device=args.device)
             warm = run_progress(run)["elapsed"]
             train_drafter(target, sequences, drafter_config, vocab, config, run, progress=False, stop_at=13,
                           device=args.device)
             done = run_progress(run)["elapsed"]
-            probe[kind] = (done - warm) / 10
-            print(f"probe {kind}: {probe[kind] * 1000:.0f} ms/step", flush=True)
+            probe[spec.name] = (done - warm) / 10
+            print(f"probe {spec.name}: {probe[spec.name] * 1000:.0f} ms/step", flush=True)
     return probe
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Path("data/train/smollm2-135m-instruct.jsonl"))
+    parser.add_argument("--data", type=Path, action="append",
+                        help="datagen rows (repeat for several files; default: data/train/smollm2-135m-instruct.jsonl)")
     parser.add_argument("--features-dir", type=Path, required=True)
     parser.add_argument("--runs", type=Path, required=True, help="one run folder per kind is made here")
     parser.add_argument("--export-dir", type=Path, required=True, help="fp16 drafters + model cards, one per kind")
@@ -112,14 +148,17 @@ def main() -> int:
     parser.add_argument("--limit-rows", type=int, default=0, help="dry runs: use only this many rows")
     parser.add_argument("--reference", type=Path, default=None, help=".npz: row id -> target logsumexp")
     parser.add_argument("--summary", type=Path, default=None, help="default: RUNS/summary.json")
-    parser.add_argument("--kinds", type=lambda text: tuple(text.split(",")), default=KINDS,
-                        help="comma-separated kinds to train (default: all four)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="comma-separated runs KIND[:LAYERS] (default: the four kinds at their default depth)")
     parser.add_argument("--prefix-layer", action="store_true", help="the DSpark run gets a prefix layer")
     parser.add_argument("--feature-processes", type=int, default=1, help="compute the features in N processes")
     parser.add_argument("--features-shard", default=None, help=argparse.SUPPRESS)  # I/N: one feature process
     args = parser.parse_args()
-    if unknown := set(args.kinds) - set(KINDS):
-        parser.error(f"--kinds: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    args.data = args.data or [Path("data/train/smollm2-135m-instruct.jsonl")]
+    try:
+        args.kinds = parse_runs(args.kinds)
+    except ValueError as exc:
+        parser.error(f"--kinds: {exc}")
     wall_deadline = time.monotonic() + args.wall_seconds
     # A stopped run's export from its checkpoint is a whole `dspark-trt train` start-up (target
     # and every row's features loaded), side by side for the four.
@@ -134,11 +173,12 @@ def main() -> int:
 
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.data import check_feature_cache, ensure_features, read_rows
+    from dspark_trt.training.data import check_feature_cache, ensure_features, read_datasets
     from dspark_trt.training.datagen import feature_file
     from dspark_trt.training.trainer import is_held_out
 
-    summary: dict = {"device": args.device, "data": str(args.data), "kinds": list(args.kinds),
+    summary: dict = {"device": args.device, "data": [str(path) for path in args.data],
+                     "runs_trained": [spec.name for spec in args.kinds],
                      "prefix_layer": args.prefix_layer, "batch_size": args.batch_size, "anchors": args.anchors,
                      "lr": args.lr, "feature_processes": args.feature_processes}
     summary_path = args.summary or args.runs / "summary.json"
@@ -150,13 +190,13 @@ def main() -> int:
     target = load_target("default")
     target.model.to(args.device)
     layers = default_feature_layers(target.config.num_layers)
-    rows = [r for r in read_rows(args.data) if not is_held_out(r["id"])]
-    data_path = args.data
+    rows = [r for r in read_datasets(args.data) if not is_held_out(r["id"])]
+    data_paths = args.data
     if args.limit_rows:
         rows = rows[: args.limit_rows]
-        data_path = args.runs / "rows.jsonl"  # the subprocesses read exactly these rows
+        data_paths = [args.runs / "rows.jsonl"]  # the subprocesses read exactly these rows
         if not args.features_shard:
-            data_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            data_paths[0].write_text("".join(json.dumps(r) + "\n" for r in rows))
     if args.features_shard:  # one of --feature-processes: its rows' features, then exit
         index, count = (int(x) for x in args.features_shard.split("/"))
         ensure_features(target, rows[index::count], args.features_dir, layers)
@@ -202,41 +242,44 @@ def main() -> int:
         steps = max(50, min(args.max_steps, steps // 50 * 50))
     summary["steps"] = steps
     save_summary()
-    print(f"training {', '.join(args.kinds)} for {steps} steps", flush=True)
+    print(f"training {', '.join(spec.name for spec in args.kinds)} for {steps} steps", flush=True)
 
     # All four at once; each is a plain `dspark-trt train` run.
     deadline = wall_deadline - export_seconds
     began = time.perf_counter()
     with ExitStack() as logs:
         processes = {}
-        for kind in args.kinds:
-            command = [sys.executable, "-m", "dspark_trt.cli", "train", "--data", str(data_path),
-                       "--features-dir", str(args.features_dir), "--output", str(args.runs / kind), "--kind", kind,
+        for spec in args.kinds:
+            name = spec.name
+            command = [sys.executable, "-m", "dspark_trt.cli", "train", *data_arguments(data_paths),
+                       "--features-dir", str(args.features_dir), "--output", str(args.runs / name), "--kind", spec.kind,
                        "--steps", str(steps), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
-                       "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / kind),
+                       "--lr", str(args.lr), "--device", args.device, "--export", str(args.export_dir / name),
                        "--features-dtype", "float32",  # what this script's fp32 target computed
                        "--no-compile-loss"]  # eager, as the probe timed it (and no compile to wait for)
-            if args.prefix_layer and kind == "dspark":
+            if spec.num_layers is not None:
+                command += ["--num-layers", str(spec.num_layers)]
+            if args.prefix_layer and spec.kind == "dspark":
                 command.append("--prefix-layer")
-            log = logs.enter_context(open(args.runs / f"{kind}.log", "w"))
-            processes[kind] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
+            log = logs.enter_context(open(args.runs / f"{name}.log", "w"))
+            processes[name] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), command, log)
         for process, _, _ in processes.values():
             wait_or_kill(process, deadline)
         exports = []  # stopped runs: export what their last checkpoint holds, side by side
-        for kind, (process, command, log) in processes.items():
-            step = run_progress(args.runs / kind).get("step")
+        for name, (process, command, log) in processes.items():
+            step = run_progress(args.runs / name).get("step")
             if process.returncode != 0 and step:
                 exports.append(subprocess.Popen([*command, "--stop-at", str(step)], stdout=log,
                                                 stderr=subprocess.STDOUT))
         for process in exports:
             wait_or_kill(process, wall_deadline)
     runs = {}
-    for kind, (process, _, _) in processes.items():
-        state = run_progress(args.runs / kind)
-        runs[kind] = {"returncode": process.returncode, "steps": state.get("step", 0),
+    for name, (process, _, _) in processes.items():
+        state = run_progress(args.runs / name)
+        runs[name] = {"returncode": process.returncode, "steps": state.get("step", 0),
                       "train_minutes": round(state.get("elapsed", 0.0) / 60, 2),
-                      "exported": (args.export_dir / kind / "model.safetensors").is_file()}
-        print(f"{kind}: {runs[kind]}", flush=True)
+                      "exported": (args.export_dir / name / "model.safetensors").is_file()}
+        print(f"{name}: {runs[name]}", flush=True)
     summary["runs"] = runs
     summary["training_wall_seconds"] = round(time.perf_counter() - began, 1)
     save_summary()
