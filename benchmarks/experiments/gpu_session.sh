@@ -12,7 +12,8 @@
 #       follow-ups), with a 5-layer DSpark beside them, 800 steps (the schedule of `prefix`'s first
 #       call); returns summary.json, train_logs.tar.gz and the 5-layer export (dspark5.tar.gz.part*).
 #       `data-resume` continues the pair to 1,600 steps (a new cosine from step 800, as `prefix`'s
-#       second call did) and returns their exports (drafters.tar.gz.part*) and logs.
+#       second call did) and returns their exports (drafters.tar.gz.part*) and logs. WALL=seconds
+#       bounds either job's training script (a run still going then is exported from its checkpoint).
 #   bash benchmarks/experiments/gpu_session.sh scale
 #       the cuda-marked tests, then scale_on_gpu.py (datagen of the whole mix, then the four
 #       kinds). Returns cuda_tests.txt, rows.jsonl.gz, scale_summary.json, drafters.tar.gz.part*.
@@ -47,24 +48,20 @@ prefix)
     ;;
 data)
     python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3,dspark:5 --prefix-layer \
-        --batch-size 32 --anchors 128 --lr 1e-3 --steps 800 --feature-processes 14 --features-dir /tmp/gpu/features \
-        --runs /tmp/gpu/runs --export-dir /tmp/gpu/export --wall-seconds 560 2>&1 | grep -v -a "it/s\]\|row/s\]"
+        --batch-size 32 --anchors 128 --lr 1e-3 --steps 800 --feature-processes 12 --features-dir /tmp/gpu/features \
+        --runs /tmp/gpu/runs --export-dir /tmp/gpu/export --wall-seconds "${WALL:-500}" 2>&1 | grep -v -a "it/s\]\|row/s\]"
     echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
     (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
     tar czf - -C /tmp/gpu/export dspark-5layer | split -b 15M -d -a 1 - "$OUT/dspark5.tar.gz.part"
     ls -la "$OUT"
     ;;
-data-resume)  # the pair from its 800-step state to a 1,600-step schedule, side by side
-    for kind in dspark eagle3; do
-        extra=(); [ "$kind" = dspark ] && extra=(--prefix-layer)
-        python3 -m dspark_trt.cli train "${DATA_ARGS[@]}" --features-dir /tmp/gpu/features --output "/tmp/gpu/runs/$kind" \
-            --kind "$kind" --steps 1600 --batch-size 32 --anchors 128 --lr 1e-3 --device cuda \
-            --export "/tmp/gpu/export1600/$kind" --features-dtype float32 --no-compile-loss "${extra[@]}" \
-            > "/tmp/gpu/runs/$kind.1600.log" 2>&1 &
-    done
-    wait
-    echo "resumed runs done at $((SECONDS - start)) s"; tail -n 3 /tmp/gpu/runs/*.1600.log
-    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs_1600.tar.gz" ./*/train_log.jsonl ./*.log)
+data-resume)  # the pair from its 800-step state to a 1,600-step schedule, side by side (features cached)
+    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3 --prefix-layer \
+        --batch-size 32 --anchors 128 --lr 1e-3 --steps 1600 --features-dir /tmp/gpu/features --runs /tmp/gpu/runs \
+        --export-dir /tmp/gpu/export1600 --summary /tmp/gpu/runs/summary_1600.json --wall-seconds "${WALL:-420}" \
+        2>&1 | grep -v -a "it/s\]\|row/s\]"
+    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
+    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs_1600.tar.gz" summary*.json ./*/train_log.jsonl ./*.log)
     tar czf - -C /tmp/gpu export1600 | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
     ls -la "$OUT"
     ;;
