@@ -91,3 +91,17 @@ def test_offline_keeps_one_seed_per_output(tmp_path):
                            str(output)], capture_output=True, text=True)
     assert done.returncode == 2 and "another --seed" in done.stderr
     assert json.loads(output.read_text())["runs"] == data["runs"]  # untouched
+
+
+def test_train_on_gpu_run_specs_name_each_run_and_refuse_bad_ones():
+    """`train_on_gpu.py --kinds dspark,eagle3,dspark:5`: a depth after the kind makes its own run
+    (folder and export `dspark-5layer`); an unknown kind, a bad depth or a run named twice is refused."""
+    from train_on_gpu import RunSpec, parse_runs
+
+    specs = parse_runs("dspark,eagle3,dspark:5")
+    assert specs == (RunSpec("dspark"), RunSpec("eagle3"), RunSpec("dspark", 5))
+    assert [spec.name for spec in specs] == ["dspark", "eagle3", "dspark-5layer"]
+    for bad, message in (("dspark,medusa", "unknown kind 'medusa'"), ("dspark:0", "positive integer"),
+                         ("dspark:x", "positive integer"), ("eagle3,eagle3", "names a run twice")):
+        with pytest.raises(ValueError, match=message):
+            parse_runs(bad)
