@@ -146,8 +146,8 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, output, ma
         raise click.BadParameter(f"expected I/N with 0 <= I < N, got {shard!r}", param_hint="--shard")
     device = parse_device(device)
     prompts_given = click.get_current_context().get_parameter_source("prompt_specs") != ParameterSource.DEFAULT
-    prompt_sets = [load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs] if prompts_given or not follow_up_data \
-        else []
+    use_prompt_sets = prompts_given or not follow_up_data  # --follow-up alone replaces the default mix
+    prompt_sets = [load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs] if use_prompt_sets else []
     from dspark_trt.models.linear import resolve_dtype
 
     loaded = load_target(target, resolve_dtype(dtype, device))  # the serving dtype: what drafts are verified against

@@ -269,8 +269,8 @@ def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Pro
     """Second turns after the target's own chat answers: for every training row (never a held-out
     one: its prompt must not reach training in any turn) of domain chat that ended by EOS (a cut
     answer is no place for a follow-up), the row's conversation, the answer, and `per_row` of
-    `FOLLOW_UPS` in turn, one prompt each. Ids are `followup/<row id>/<r>`. The row's prompt must re-encode to its own
-    `prompt_ids` (same set, same tokenizer), or the row is refused by id."""
+    `FOLLOW_UPS` in turn, one prompt each. Ids are `followup/<row id>/<r>`. The row's prompt must
+    re-encode to its own `prompt_ids` (same set, same tokenizer), or the row is refused by id."""
     from dspark_trt.runtime.chat import encode_chat
     from dspark_trt.training.trainer import is_held_out  # (imports torch: datagen has it loaded)
 
