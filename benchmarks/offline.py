@@ -6,7 +6,8 @@ Runs `dspark-trt eval`'s evaluation (speculative decoding through `LLM`, tau cou
 token, conditional per-position acceptance) for each drafter x dataset x temperature, and
 writes `benchmarks/results/offline.json` (the list of eval outputs, macro averages per drafter
 and temperature, the ratios the paper reports, and each drafter's calibration report),
-`offline.md` (tables) and `offline_<dataset>.png` (per-position acceptance).
+`offline.md` (tables) and `offline_<dataset>.png` (per-position acceptance; named after `--output`,
+so two outputs in one folder keep their own).
 Default drafters: whichever of checkpoints/smollm2-135m-instruct/{dspark,dflash,eagle3,mtp1} exist.
 Resumable: runs already in the output (same --max-tokens) are kept and skipped, and the files are
 rewritten after every run; macro averages and ratios appear once a drafter has every dataset.
@@ -171,7 +172,7 @@ def plot(output: Path, runs, datasets, temperatures) -> None:
                      ylim=(0, 1))
             axis.legend()
         figure.tight_layout()
-        figure.savefig(output.with_name(f"offline_{dataset}.png"), dpi=100)
+        figure.savefig(output.with_name(f"{output.stem}_{dataset}.png"), dpi=100)  # beside its own JSON
         plt.close(figure)
 
 
