@@ -10,7 +10,7 @@
 #   bash benchmarks/experiments/gpu_session.sh data        then, on the warm machine:  data-resume
 #       more data: the same pair on the three bf16 sets (the mix, the extra code set, the chat
 #       follow-ups), with a 5-layer DSpark beside them, 800 steps (the schedule of `prefix`'s first
-#       call); returns summary.json, train_logs.tar.gz and the 5-layer export (dspark5.tar.gz.part*).
+#       call); returns train_logs.tar.gz (summary.json in it) and the 5-layer export (dspark5.tar.gz.part*).
 #       `data-resume` continues the pair to 1,600 steps (a new cosine from step 800, as `prefix`'s
 #       second call did) and returns their exports (drafters.tar.gz.part*) and logs. WALL=seconds
 #       bounds either job's training script (a run still going then is exported from its checkpoint).
