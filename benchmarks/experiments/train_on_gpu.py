@@ -95,7 +95,8 @@ def data_arguments(paths: list[Path]) -> list[str]:
     return [arg for path in paths for arg in ("--data", str(path))]
 
 
-def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], args) -> dict[str, float]:
+def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], run_specs: tuple[RunSpec, ...],
+                           args) -> dict[str, float]:
     """Seconds per training step of each kind alone: 10 steps timed after 3 warm-up steps."""
     from dspark_trt.training.data import load_sequences
     from dspark_trt.training.run_state import run_progress
@@ -110,8 +111,9 @@ def probe_seconds_per_step(target, rows: list[dict], layers: tuple[int, ...], ar
     vocab = build_draft_vocab(rows, 8192, target.config.vocab_size, set(target.eos_token_ids))
     probe = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for spec in args.kinds:
-            config = TrainConfig(steps=args.max_steps, sequences_per_batch=args.batch_size,
+        for spec in run_specs:
+            config = TrainConfig(steps=max(args.max_steps, 13),  # (a schedule that reaches the timed steps)
+                                 sequences_per_batch=args.batch_size,
                                  anchors_per_sequence=args.anchors, learning_rate=args.lr)
             run = Path(scratch) / spec.name
             drafter_config = drafter_config_for(spec.kind, target, layers, num_layers=spec.num_layers or 2,
@@ -156,7 +158,7 @@ def main() -> int:
     args = parser.parse_args()
     args.data = args.data or [Path("data/train/smollm2-135m-instruct.jsonl")]
     try:
-        args.kinds = parse_runs(args.kinds)
+        run_specs = parse_runs(args.kinds)
     except ValueError as exc:
         parser.error(f"--kinds: {exc}")
     wall_deadline = time.monotonic() + args.wall_seconds
@@ -178,7 +180,7 @@ def main() -> int:
     from dspark_trt.training.trainer import is_held_out
 
     summary: dict = {"device": args.device, "data": [str(path) for path in args.data],
-                     "runs_trained": [spec.name for spec in args.kinds],
+                     "runs_trained": [spec.name for spec in run_specs],
                      "prefix_layer": args.prefix_layer, "batch_size": args.batch_size, "anchors": args.anchors,
                      "lr": args.lr, "feature_processes": args.feature_processes}
     summary_path = args.summary or args.runs / "summary.json"
@@ -226,7 +228,7 @@ def main() -> int:
             print("the target here disagrees with the reference: stopping", file=sys.stderr)
             return 1
 
-    probe = {} if args.steps else probe_seconds_per_step(target, rows, layers, args)
+    probe = {} if args.steps else probe_seconds_per_step(target, rows, layers, run_specs, args)
     # Hand the GPU to the four runs: this process's cached blocks (~70 GB after the probes) made
     # the EAGLE-3-style run fail for want of memory on the first try.
     target.model.to("cpu")
@@ -239,17 +241,17 @@ def main() -> int:
         steps = args.steps
     else:
         steps = int(train_seconds * args.overlap / sum(probe.values()))
-        steps = max(50, min(args.max_steps, steps // 50 * 50))
+        steps = min(args.max_steps, max(50, steps // 50 * 50))  # --max-steps caps even the 50-step floor
     summary["steps"] = steps
     save_summary()
-    print(f"training {', '.join(spec.name for spec in args.kinds)} for {steps} steps", flush=True)
+    print(f"training {', '.join(spec.name for spec in run_specs)} for {steps} steps", flush=True)
 
     # All four at once; each is a plain `dspark-trt train` run.
     deadline = wall_deadline - export_seconds
     began = time.perf_counter()
     with ExitStack() as logs:
         processes = {}
-        for spec in args.kinds:
+        for spec in run_specs:
             name = spec.name
             command = [sys.executable, "-m", "dspark_trt.cli", "train", *data_arguments(data_paths),
                        "--features-dir", str(args.features_dir), "--output", str(args.runs / name), "--kind", spec.kind,
