@@ -30,6 +30,8 @@ export PYTHONPATH=/tmp/site:$PWD DSPARK_TRT_CACHE=/tmp/cache PYTHONUNBUFFERED=1
 start=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+# The pair's recipe, one for every job and leg (a resumed leg must train as the first did).
+RECIPE=(--prefix-layer --batch-size 32 --anchors 128 --lr 1e-3 --features-dir /tmp/gpu/features --runs /tmp/gpu/runs)
 DATA_ARGS=()  # the data job's three sets
 for f in data/train/smollm2-135m-instruct.bf16.jsonl.gz data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz \
     data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz; do DATA_ARGS+=(--data "$f"); done
@@ -37,8 +39,7 @@ for f in data/train/smollm2-135m-instruct.bf16.jsonl.gz data/train/smollm2-135m-
 case "${1:-prefix}" in
 prefix)
     python3 benchmarks/experiments/train_on_gpu.py --data data/train/smollm2-135m-instruct.bf16.jsonl.gz \
-        --kinds dspark,eagle3 --prefix-layer --batch-size 32 --anchors 128 --lr 1e-3 --overlap 1.2 \
-        --feature-processes 8 --features-dir /tmp/gpu/features --runs /tmp/gpu/runs --export-dir /tmp/gpu/export \
+        --kinds dspark,eagle3 "${RECIPE[@]}" --overlap 1.2 --feature-processes 8 --export-dir /tmp/gpu/export \
         --wall-seconds 480 2>&1 | grep -v -a "it/s\]\|row/s\]"
     echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
     cp /tmp/gpu/runs/summary.json "$OUT/" 2>/dev/null
@@ -47,19 +48,18 @@ prefix)
     ls -la "$OUT"
     ;;
 data)
-    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3,dspark:5 --prefix-layer \
-        --batch-size 32 --anchors 128 --lr 1e-3 --steps 800 --feature-processes 12 --features-dir /tmp/gpu/features \
-        --runs /tmp/gpu/runs --export-dir /tmp/gpu/export --wall-seconds "${WALL:-500}" 2>&1 | grep -v -a "it/s\]\|row/s\]"
+    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3,dspark:5 "${RECIPE[@]}" \
+        --steps 800 --feature-processes 12 --export-dir /tmp/gpu/export --wall-seconds "${WALL:-500}" 2>&1 \
+        | grep -v -a "it/s\]\|row/s\]"
     echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
     (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
     tar czf - -C /tmp/gpu/export dspark-5layer | split -b 15M -d -a 1 - "$OUT/dspark5.tar.gz.part"
     ls -la "$OUT"
     ;;
 data-resume)  # the pair from its 800-step state to a 1,600-step schedule, side by side (features cached)
-    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3 --prefix-layer \
-        --batch-size 32 --anchors 128 --lr 1e-3 --steps 1600 --features-dir /tmp/gpu/features --runs /tmp/gpu/runs \
-        --export-dir /tmp/gpu/export1600 --summary /tmp/gpu/runs/summary_1600.json --wall-seconds "${WALL:-420}" \
-        2>&1 | grep -v -a "it/s\]\|row/s\]"
+    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3 "${RECIPE[@]}" \
+        --steps 1600 --export-dir /tmp/gpu/export1600 --summary /tmp/gpu/runs/summary_1600.json \
+        --wall-seconds "${WALL:-420}" 2>&1 | grep -v -a "it/s\]\|row/s\]"
     echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
     (cd /tmp/gpu/runs && tar czf "$OUT/train_logs_1600.tar.gz" summary*.json ./*/train_log.jsonl ./*.log)
     tar czf - -C /tmp/gpu export1600 | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"

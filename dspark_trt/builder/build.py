@@ -254,7 +254,7 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
                              "draft_vocab_size": int(drafter.draft_vocab.numel()), "confidence": c.confidence,
                              "calibrated": bool(c.confidence_temperatures), "num_layers": c.num_layers,
                              "prefix_layer": c.prefix_layer,
-                             "sequential_head": "SequentialDraft plugin" if plugin_supported(c) else "standard ops"}
+                             "sequential_head": "SequentialDraft plugin" if plugin else "standard ops"}
         trtllm = None
         if fmt == "trtllm":
             from dspark_trt.builder.trtllm import write_trtllm_layout
