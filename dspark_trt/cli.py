@@ -113,6 +113,12 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
                    "questions, ids followup/<row id>/<r>). Alone, unless --prompts is given too.")
 @click.option("--follow-ups-per-row", type=click.IntRange(1, 12), default=1, show_default=True,
               help="With --follow-up: how many different follow-up questions to ask after each answer.")
+@click.option("--resample", "resample_data", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="A datagen file (repeatable): ask its training rows' prompts again at the other temperature "
+                   "(greedy rows sampled at 1, sampled rows greedily) for a second, different response to each "
+                   "(ids resample/<row id>; held-out rows skipped). Alone, unless --prompts is given too.")
+@click.option("--domain", "domains", type=click.Choice(["chat", "code", "math"]), multiple=True,
+              help="Only prompts of this domain (repeatable; default: all).")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file to append rows to; rows already there are skipped (resumable).")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Longest response.")
@@ -129,14 +135,14 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
                    "--output; concatenate the files afterwards).")
 @device_option("the target generates (sampling and the written rows stay on the CPU)")
 @dtype_option
-def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, output, max_tokens, max_prompt_tokens,
-            temperatures, batch_size, seed, features_dir, feature_layers, shard, device, dtype):
+def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_data, domains, output, max_tokens,
+            max_prompt_tokens, temperatures, batch_size, seed, features_dir, feature_layers, shard, device, dtype):
     """Regenerate responses to training prompts with the target itself (self-distillation data)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.datagen import DatagenConfig, generate_dataset
     from dspark_trt.training.data import read_rows
-    from dspark_trt.training.prompts import follow_up_prompts, load_prompts
+    from dspark_trt.training.prompts import follow_up_prompts, load_prompts, resample_prompts
 
     temps = tuple(parse_floats(temperatures, "--temperatures"))
     if any(t < 0 for t in temps) or not temps:
@@ -146,14 +152,17 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, output, ma
         raise click.BadParameter(f"expected I/N with 0 <= I < N, got {shard!r}", param_hint="--shard")
     device = parse_device(device)
     prompts_given = click.get_current_context().get_parameter_source("prompt_specs") != ParameterSource.DEFAULT
-    use_prompt_sets = prompts_given or not follow_up_data  # --follow-up alone replaces the default mix
+    use_prompt_sets = prompts_given or not (follow_up_data or resample_data)  # either alone replaces the default mix
     prompt_sets = [load_prompts(*parse_prompt_spec(spec)) for spec in prompt_specs] if use_prompt_sets else []
     from dspark_trt.models.linear import resolve_dtype
 
     loaded = load_target(target, resolve_dtype(dtype, device))  # the serving dtype: what drafts are verified against
     if follow_up_data:
         prompt_sets.append(follow_up_prompts(read_rows(follow_up_data), loaded.tokenizer, follow_ups_per_row))
-    prompts = interleave(prompt_sets)
+    prompt_sets += [resample_prompts(read_rows(path), loaded.tokenizer) for path in resample_data]
+    prompts = [p for p in interleave(prompt_sets) if not domains or p.domain in domains]
+    if domains and not prompts:
+        raise click.BadParameter(f"no prompt of domain {', '.join(domains)} in the sets given", param_hint="--domain")
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))

@@ -13,6 +13,7 @@ from dspark_trt.training.prompts import (
     TRAINING_SETS,
     follow_up_prompts,
     load_prompts,
+    resample_prompts,
 )
 
 
@@ -167,3 +168,98 @@ def test_datagen_follow_up_writes_second_turns_alone(tiny_llama, tokenizer, tmp_
         assert row["domain"] == "chat" and 1 <= len(row["response_ids"]) <= 3
     again = CliRunner().invoke(main, command)
     assert again.exit_code == 0 and "wrote 0 new rows" in again.output
+
+
+def test_resamples_ask_training_prompts_again_at_the_other_temperature(tokenizer):
+    """A second response to each training row: its own conversation, the other temperature of
+    the pair (greedy <-> 1), id `resample/<row id>`; held-out rows are skipped."""
+    from dspark_trt.training.trainer import is_held_out
+
+    rows = chat_rows(tokenizer, 80)
+    for index, row in enumerate(rows):
+        row["temperature"] = float(index % 2)
+    rows[3]["domain"] = "math"  # the domain travels with the row
+    kept = [row for row in rows if not is_held_out(row["id"])]
+    assert len(kept) < len(rows)  # else the split is not exercised
+    prompts = resample_prompts(rows, tokenizer)
+    assert [p.prompt_id for p in prompts] == [f"resample/{row['id']}" for row in kept]
+    t0 = {p.prompt_id: p.messages for p in load_prompts("t0", 80)}
+    for prompt, row in zip(prompts, kept, strict=True):
+        assert prompt.messages == t0[row["id"]] and prompt.domain == row["domain"]
+        assert prompt.temperature == 1.0 - row["temperature"]
+
+
+def test_resamples_refuse_rows_they_cannot_rebuild(tokenizer):
+    rows = chat_rows(tokenizer, 3)
+    with pytest.raises(DsparkError, match="resample: row 't0/0'.*prompt_ids are not t0's prompt 0"):
+        resample_prompts([dict(rows[0], prompt_ids=rows[0]["prompt_ids"][1:])], tokenizer)
+    with pytest.raises(DsparkError, match="resample: row 'followup/t0/0/0' is not from a training prompt set"):
+        resample_prompts([dict(rows[0], id="followup/t0/0/0")], tokenizer)
+
+
+def test_resamples_ask_the_rows_own_prompt_even_where_a_memory_address_changed(tokenizer):
+    """A few stdlib signatures print a default as `<function copy2 at 0x7f...>`, whose address
+    differs between processes: such a row is still resampled, with its own prompt ids; any other
+    difference is refused."""
+    import re
+
+    from dspark_trt.runtime.chat import encode_chat
+    from dspark_trt.training.trainer import is_held_out
+
+    prompt = next(p for p in load_prompts("code-stdlib")
+                  if " at 0x" in first_user_text(p) and not is_held_out(p.prompt_id))
+    moved = [dict(m, content=re.sub(r" at 0x[0-9a-f]+", " at 0x1234abcd", m["content"])) for m in prompt.messages]
+    row = {"id": prompt.prompt_id, "domain": "code", "temperature": 1.0, "finish_reason": "stop",
+           "prompt_ids": encode_chat(tokenizer, moved), "response_ids": [1, 2]}
+    assert row["prompt_ids"] != encode_chat(tokenizer, prompt.messages)  # else nothing is exercised
+    (resample,) = resample_prompts([row], tokenizer)
+    assert resample.prompt_ids == row["prompt_ids"] and resample.temperature == 0.0
+    changed = [dict(m, content=m["content"].replace("Write", "Draft")) for m in moved]
+    with pytest.raises(DsparkError, match="prompt_ids are not code-stdlib's prompt"):
+        resample_prompts([dict(row, prompt_ids=encode_chat(tokenizer, changed))], tokenizer)
+
+
+def test_a_resample_is_held_out_with_the_row_it_came_from():
+    """The split follows the prompt: hashing `resample/<id>` itself would send ~5% of held-out
+    prompts into training through their second response."""
+    import hashlib
+
+    from dspark_trt.training.trainer import is_held_out
+
+    ids = [f"t0/{i}" for i in range(400)]
+    own_split = [int(hashlib.sha256(f"resample/{i}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < 0.05 for i in ids]
+    assert own_split != [is_held_out(i) for i in ids]  # else this test could not fail
+    assert [is_held_out(f"resample/{i}") for i in ids] == [is_held_out(i) for i in ids]
+    assert any(is_held_out(i) for i in ids)
+
+
+def test_datagen_resample_writes_second_responses_at_the_other_temperature(tiny_llama, tokenizer, tmp_path):
+    """`datagen --resample DATA --domain chat`: the file's chat rows' prompts again, the other
+    temperature each, nothing else; resumable; a domain with no prompt is a usage error."""
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+    from dspark_trt.training.trainer import is_held_out
+
+    rows = [row for row in chat_rows(tokenizer, 30) if len(row["prompt_ids"]) < 150 and not is_held_out(row["id"])][:4]
+    assert len(rows) == 4
+    for index, row in enumerate(rows):
+        row["temperature"] = float(index % 2)
+    rows[3]["domain"] = "code"  # left out by --domain chat
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "resample.jsonl"
+    command = ["datagen", "--target", str(tiny_llama), "--resample", str(data), "--domain", "chat",
+               "--output", str(output), "--max-tokens", "3", "--max-prompt-tokens", "200", "--batch-size", "4",
+               "--device", "cpu"]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    written = {r["id"]: r for r in map(json.loads, output.read_text().splitlines())}
+    assert sorted(written) == sorted(f"resample/{row['id']}" for row in rows[:3])
+    for row in rows[:3]:
+        again = written[f"resample/{row['id']}"]
+        assert again["prompt_ids"] == row["prompt_ids"] and again["domain"] == "chat"
+        assert again["temperature"] == 1.0 - row["temperature"]
+    assert "wrote 0 new rows" in CliRunner().invoke(main, command).output
+    math_only = CliRunner().invoke(main, [*command[:5], "--domain", "math", *command[7:]])
+    assert math_only.exit_code == 2 and "no prompt of domain math" in math_only.output

@@ -39,7 +39,7 @@ from dspark_trt.training.prompts import Prompt
 @dataclass
 class DatagenConfig:
     max_tokens: int = 256
-    temperatures: tuple[float, ...] = (0.0, 1.0)  # cycled over prompts
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # cycled over prompts (unless a prompt fixes its own)
     batch_size: int = 32
     seed: int = 0
     feature_layers: tuple[int, ...] = ()  # with features_dir: the drafter's layers (last layer is added)
@@ -101,11 +101,12 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
 
     def jobs():
         for index, prompt in todo:
-            ids = encode_chat(target.tokenizer, prompt.messages)
+            ids = prompt.prompt_ids if prompt.prompt_ids is not None else encode_chat(target.tokenizer, prompt.messages)
             if len(ids) > max_prompt_tokens:  # too long to be worth its training cost
                 progress.update(1)
                 continue
-            temperature = config.temperatures[index % len(config.temperatures)]
+            temperature = (prompt.temperature if prompt.temperature is not None
+                           else config.temperatures[index % len(config.temperatures)])
             meta[prompt.prompt_id] = (prompt, temperature)
             captured[prompt.prompt_id] = ([], [])
             yield Job(ids, SamplingParams(max_tokens=config.max_tokens, temperature=temperature, seed=config.seed + index),

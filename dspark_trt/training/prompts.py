@@ -19,6 +19,8 @@ Named sets (see `data/SOURCES.md` for origins and licenses):
 Second turns (`follow_up_prompts`, `dspark-trt datagen --follow-up DATA`) are built from a datagen
 file instead: a training chat row's own conversation, the target's answer to it, then one of
 `FOLLOW_UPS` (generic requests written for this project, none taken from an evaluation set).
+Resamples (`resample_prompts`, `dspark-trt datagen --resample DATA`) ask a datagen file's training
+prompts again at the other temperature, for a second, different response to each.
 
 Any other value is read as a JSONL path whose rows hold one of the fields `prompt`,
 `question`, `instruction`, `turns` (first turn) or `messages`. Every prompt is returned as a
@@ -40,6 +42,7 @@ import inspect
 import io
 import json
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -83,6 +86,8 @@ class Prompt:
     prompt_id: str  # "<set>/<row>"
     domain: str  # chat | math | code
     messages: list[dict]  # the conversation to answer
+    temperature: float | None = None  # fixed for this prompt (a resample); None: datagen's cycle decides
+    prompt_ids: list[int] | None = None  # the encoded prompt, when it must be exactly a datagen row's (a resample)
 
 
 def user(text: str) -> list[dict]:
@@ -265,29 +270,55 @@ FOLLOW_UPS = (
 )
 
 
+# a default shown as `<function copy2 at 0x7f4d31ee2160>`: its address changes from process to process
+MEMORY_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+
+class FirstTurns:
+    """The training-set conversation behind a datagen row, checked against the row's own
+    `prompt_ids` (same set, same tokenizer), so rows from another target or set version are
+    refused by id rather than rebuilt wrongly. The one difference allowed is a memory address
+    (`<function copy2 at 0x7f...>`: a few stdlib signatures print a default that way, and it
+    changes from process to process). Sets are loaded once, on first use."""
+
+    def __init__(self, tokenizer, purpose: str):
+        self.tokenizer, self.purpose = tokenizer, purpose
+        self.sets: dict[str, list[Prompt]] = {}
+
+    def __call__(self, row: dict) -> list[dict]:
+        from dspark_trt.runtime.chat import encode_chat
+
+        set_name, _, index = row["id"].rpartition("/")
+        if set_name not in TRAINING_SETS or not index.isdigit():
+            raise DsparkError(f"{self.purpose}: row {row['id']!r} is not from a training prompt set")
+        if set_name not in self.sets:
+            self.sets[set_name] = load_prompts(set_name)
+        messages = self.sets[set_name][int(index)].messages
+        ids = encode_chat(self.tokenizer, messages)
+        if ids != row["prompt_ids"] and not self.same_but_addresses(ids, row["prompt_ids"]):
+            raise DsparkError(f"{self.purpose}: row {row['id']!r}: its prompt_ids are not {set_name}'s prompt {index} "
+                              "under this tokenizer (another target or another version of the set?)")
+        return messages
+
+    def same_but_addresses(self, ids: list[int], other: list[int]) -> bool:
+        texts = [MEMORY_ADDRESS.sub(" at 0x", self.tokenizer.decode(x)) for x in (ids, other)]
+        return texts[0] == texts[1]
+
+
 def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Prompt]:
     """Second turns after the target's own chat answers: for every training row (never a held-out
     one: its prompt must not reach training in any turn) of domain chat that ended by EOS (a cut
     answer is no place for a follow-up), the row's conversation, the answer, and `per_row` of
     `FOLLOW_UPS` in turn, one prompt each. Ids are `followup/<row id>/<r>`. The row's prompt must
     re-encode to its own `prompt_ids` (same set, same tokenizer), or the row is refused by id."""
-    from dspark_trt.runtime.chat import encode_chat
     from dspark_trt.training.trainer import is_held_out  # (imports torch: datagen has it loaded)
 
-    sets: dict[str, list[Prompt]] = {}
+    first_turn = FirstTurns(tokenizer, "follow-up")
     prompts = []
     for row in rows:
         if row.get("domain") != "chat" or row.get("finish_reason") != "stop" or is_held_out(row["id"]):
             continue
-        set_name, _, index = row["id"].rpartition("/")
-        if set_name not in TRAINING_SETS or not index.isdigit():
-            raise DsparkError(f"follow-up: row {row['id']!r} is not from a training prompt set")
-        if set_name not in sets:
-            sets[set_name] = load_prompts(set_name)
-        first = sets[set_name][int(index)].messages
-        if encode_chat(tokenizer, first) != row["prompt_ids"]:
-            raise DsparkError(f"follow-up: row {row['id']!r}: its prompt_ids are not {set_name}'s prompt {index} "
-                              "under this tokenizer (another target or another version of the set?)")
+        first = first_turn(row)
         answer = tokenizer.decode(row["response_ids"], skip_special_tokens=True).strip()
         row_number = len(prompts) // per_row
         for turn in range(per_row):  # datagen cycles temperatures 0, 1 by position: each question meets both
@@ -295,6 +326,25 @@ def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Pro
             conversation = [*first, {"role": "assistant", "content": answer}, *user(question)]
             prompts.append(Prompt(f"followup/{row['id']}/{turn}", "chat", conversation))
     return prompts
+
+
+RESAMPLE_PREFIX = "resample/"
+
+
+def resample_prompts(rows: list[dict], tokenizer) -> list[Prompt]:
+    """A second, different response to every training row's prompt: its conversation again at the
+    other temperature of datagen's pair (a row answered greedily is sampled at 1; a sampled one
+    is answered greedily: a second greedy answer would repeat the first token for token). Ids are
+    `resample/<row id>`; held-out rows are skipped (`trainer.is_held_out` splits a resample by the
+    row it came from, so none could reach training anyway). Only rows of the named training sets
+    can be resampled (their conversation is rebuilt and checked against `prompt_ids`); the prompt
+    asked is the row's own `prompt_ids`, token for token."""
+    from dspark_trt.training.trainer import is_held_out  # (imports torch: datagen has it loaded)
+
+    first_turn = FirstTurns(tokenizer, "resample")
+    return [Prompt(RESAMPLE_PREFIX + row["id"], row["domain"], first_turn(row),
+                   temperature=1.0 if row["temperature"] == 0 else 0.0, prompt_ids=row["prompt_ids"])
+            for row in rows if not is_held_out(row["id"])]
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:

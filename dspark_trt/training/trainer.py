@@ -43,6 +43,7 @@ from dspark_trt.models.drafter_io import build_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
+from dspark_trt.training.prompts import RESAMPLE_PREFIX
 from dspark_trt.training.run_state import (load_run_state, optimizer_from_files, optimizer_to_files, run_progress,
                                            save_compact_run_state, save_run_state)
 
@@ -133,7 +134,10 @@ def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> Non
 
 
 def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
-    """A stable split by id: the same rows are held out (for calibration/validation) on every run."""
+    """A stable split by id: the same rows are held out (for calibration/validation) on every run.
+    A resample (`resample/<id>`: the same prompt answered again) goes where its first row went,
+    so a held-out prompt never reaches training through its second response."""
+    row_id = row_id.removeprefix(RESAMPLE_PREFIX)
     return int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
