@@ -4,6 +4,7 @@ already on disk, on outputs built here, so a wrong sum or a silently mixed input
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,50 @@ def test_train_on_gpu_run_specs_name_each_run_and_refuse_bad_ones():
                          ("dspark:x", "positive integer"), ("eagle3,eagle3", "names a run twice")):
         with pytest.raises(ValueError, match=message):
             parse_runs(bad)
+
+
+def test_draft_vocab_reach_widens_a_drafter_without_changing_what_it_drafted(tiny_llama, tmp_path):
+    """`draft_vocab_reach.widened`: the old tokens keep their logits and confidences exactly (a
+    previous token that joins the vocabulary reads the out-of-vocabulary row it was trained
+    with), the new ones follow in frequency order, and a block's logits gain their columns."""
+    from collections import Counter
+
+    import torch
+    from draft_vocab_reach import widened
+    from tiny_drafters import FEATURE_LAYERS, make_drafter
+
+    from dspark_trt.models.drafter_io import build_drafter
+    from dspark_trt.models.loading import load_target
+    from dspark_trt.training.data import ensure_features, load_sequences, make_batch
+    from dspark_trt.training.losses import draft_logits
+
+    target = load_target(tiny_llama)
+    # varied responses (the tiny random target's own repeat one token), with their target features
+    pick = random.Random(0).choice
+    rows = [{"id": f"rows/{i}", "domain": "math", "temperature": 0.0, "prompt_ids": [1, 5, 9, 13], "finish_reason": "length",
+             "response_ids": [pick(range(1000, 1040)) for _ in range(40)]} for i in range(4)]
+    features_dir = tmp_path / "features"
+    ensure_features(target, rows, features_dir, FEATURE_LAYERS)
+    frequent = [t for t, _ in Counter(t for row in rows for t in row["response_ids"]).most_common()]
+    left_out = frequent[::2]  # tokens of the responses that the drafter cannot propose
+    base = make_drafter(target, vocab_size=512, prefix_layer=True)
+    vocab = torch.tensor([t for t in range(target.config.vocab_size) if t not in set(left_out)][:512])
+    state = {**base.state_dict(), "draft_vocab": vocab}
+    drafter = build_drafter(base.config, vocab)
+    drafter.load_state_dict(state)
+    drafter = drafter.attach_target(target.model).eval()
+    with torch.no_grad():
+        drafter.confidence.weight.normal_(std=0.5)
+        drafter.previous_embedding.weight[-1].normal_(std=3.0)  # an OOV row unlike the others
+    new_tokens = [t for t in frequent if t not in set(vocab.tolist())]
+    wide = widened(drafter, target.model, frequent, 512 + 16)
+    assert wide.draft_vocab.tolist() == drafter.draft_vocab.tolist() + new_tokens[:16]
+    batch = make_batch(load_sequences(rows, features_dir), 6, 4, 2, 64, torch.Generator().manual_seed(0))
+    assert torch.isin(batch.previous_tokens, torch.tensor(new_tokens[:16])).any()  # the OOV-row case is exercised
+    with torch.no_grad():
+        (logits, confidence), (wide_logits, wide_confidence) = draft_logits(drafter, batch), draft_logits(wide, batch)
+    assert wide_logits.shape[-1] == 512 + 16
+    assert torch.allclose(wide_logits[..., :512], logits, atol=1e-5)
+    assert torch.allclose(wide_confidence, confidence, atol=1e-5)
+    with pytest.raises(SystemExit, match="only"):
+        widened(drafter, target.model, frequent[:20], 512 + 10_000)

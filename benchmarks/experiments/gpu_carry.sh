@@ -9,12 +9,12 @@
 # - the wheels the device image lacks travel in .gpu/whl: `gguf` (transformers reads the GGUF
 #   with it) and pydantic with its own needs (`dspark_trt.cli` imports the server's protocol);
 # - the committed checkpoints (~200 MB) are taken out of the index until `git reset -- checkpoints`
-#   (nothing on the device needs them; the files stay on disk); with `prefix` or `data`
+#   (nothing on the device needs them; the files stay on disk); with `prefix`, `data` or `resample`
 #   (gpu_session.sh's jobs, which read only the bf16 set, or the bf16 sets), so are the other data
 #   files (13 MB).
 # Then, with the device tool (see gpu_session.sh for what the second call runs), the second call
 # within 30 s of the first (the machine keeps the first half only while warm):
-#   bash benchmarks/experiments/gpu_carry.sh prefix        # or: data, scale
+#   bash benchmarks/experiments/gpu_carry.sh prefix        # or: data, resample, scale
 #   run(command="cp .gpu/gguf.part00 /tmp/", carry=[".gpu/gguf.part00"])
 #   run(command="bash benchmarks/experiments/gpu_session.sh prefix", carry=[".gpu/gguf.part01", ".gpu/whl"],
 #       timeout_s=600)
@@ -44,7 +44,7 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
 git rm -r -q --cached checkpoints
 case "$job" in  # the data files the job reads; the rest stay here
 prefix) keep='^data/train/smollm2-135m-instruct\.bf16\.jsonl\.gz$' ;;
-data) keep='^data/train/smollm2-135m-instruct\.bf16[a-z-]*\.jsonl\.gz$' ;;
+data | resample) keep='^data/train/smollm2-135m-instruct\.bf16[a-z-]*\.jsonl\.gz$' ;;
 *) keep='' ;;
 esac
 if [ -n "$keep" ]; then

@@ -14,6 +14,11 @@
 #       `data-resume` continues the pair to 1,600 steps (a new cosine from step 800, as `prefix`'s
 #       second call did) and returns their exports (drafters.tar.gz.part*) and logs. WALL=seconds
 #       bounds either job's training script (a run still going then is exported from its checkpoint).
+#   bash benchmarks/experiments/gpu_session.sh resample        then, warm:  STEPS=1600 ... resample
+#       the pair on the three sets above plus the second responses (bf16-resample), on the data
+#       pair's schedule (800 steps, then a new cosine to 1,600), so that the data is the one thing
+#       changed; each call trains to STEPS (default 800) or until WALL (default 500 s), resuming
+#       the runs it finds (features cached), and returns logs and exports (drafters.tar.gz.part*).
 #   bash benchmarks/experiments/gpu_session.sh scale
 #       the cuda-marked tests, then scale_on_gpu.py (datagen of the whole mix, then the four
 #       kinds). Returns cuda_tests.txt, rows.jsonl.gz, scale_summary.json, drafters.tar.gz.part*.
@@ -35,6 +40,8 @@ RECIPE=(--prefix-layer --batch-size 32 --anchors 128 --lr 1e-3 --features-dir /t
 DATA_ARGS=()  # the data job's three sets
 for f in data/train/smollm2-135m-instruct.bf16.jsonl.gz data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz \
     data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz; do DATA_ARGS+=(--data "$f"); done
+
+RESAMPLE_ARGS=("${DATA_ARGS[@]}" --data data/train/smollm2-135m-instruct.bf16-resample.jsonl.gz)
 
 case "${1:-prefix}" in
 prefix)
@@ -65,6 +72,15 @@ data-resume)  # the pair from its 800-step state to a 1,600-step schedule, side 
     tar czf - -C /tmp/gpu export1600 | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
     ls -la "$OUT"
     ;;
+resample)  # a run stopped by WALL resumes from its checkpoint on the next call
+    python3 benchmarks/experiments/train_on_gpu.py "${RESAMPLE_ARGS[@]}" --kinds dspark,eagle3 "${RECIPE[@]}" \
+        --steps "${STEPS:-800}" --feature-processes 12 --export-dir /tmp/gpu/export-resample \
+        --wall-seconds "${WALL:-500}" 2>&1 | grep -v -a "it/s\]\|row/s\]"
+    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
+    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
+    tar czf - -C /tmp/gpu export-resample | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
+    ls -la "$OUT"
+    ;;
 scale)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_train_cuda.py \
         > "$OUT/cuda_tests.txt" 2>&1
@@ -75,7 +91,7 @@ scale)
         --train-steps 1500 --wall-seconds $((570 - (SECONDS - start)))
     ;;
 *)
-    echo "usage: gpu_session.sh [prefix|data|data-resume|scale]" >&2
+    echo "usage: gpu_session.sh [prefix|data|data-resume|resample|scale]" >&2
     exit 2
     ;;
 esac
