@@ -123,7 +123,8 @@ def parse_prompt_spec(spec: str) -> tuple[str, int | None]:
               help="JSONL file to append rows to; rows already there are skipped (resumable).")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Longest response.")
 @click.option("--max-prompt-tokens", type=int, default=768, show_default=True, help="Skip longer prompts.")
-@click.option("--temperatures", default="0,1", show_default=True, help="Sampling temperatures, cycled over prompts.")
+@click.option("--temperatures", default="0,1", show_default=True,
+              help="Sampling temperatures, cycled over each prompt set's prompts in order (resamples keep their own).")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Requests generated together.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -142,7 +143,7 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_d
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.datagen import DatagenConfig, generate_dataset
     from dspark_trt.training.data import read_rows
-    from dspark_trt.training.prompts import follow_up_prompts, load_prompts, resample_prompts
+    from dspark_trt.training.prompts import cycle_temperatures, follow_up_prompts, load_prompts, resample_prompts
 
     temps = tuple(parse_floats(temperatures, "--temperatures"))
     if any(t < 0 for t in temps) or not temps:
@@ -160,6 +161,7 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_d
     if follow_up_data:
         prompt_sets.append(follow_up_prompts(read_rows(follow_up_data), loaded.tokenizer, follow_ups_per_row))
     prompt_sets += [resample_prompts(read_rows(path), loaded.tokenizer) for path in resample_data]
+    prompt_sets = [cycle_temperatures(prompts, temps) for prompts in prompt_sets]  # each set meets each temperature
     prompts = [p for p in interleave(prompt_sets) if not domains or p.domain in domains]
     if domains and not prompts:
         raise click.BadParameter(f"no prompt of domain {', '.join(domains)} in the sets given", param_hint="--domain")

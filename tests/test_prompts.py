@@ -263,3 +263,20 @@ def test_datagen_resample_writes_second_responses_at_the_other_temperature(tiny_
     assert "wrote 0 new rows" in CliRunner().invoke(main, command).output
     math_only = CliRunner().invoke(main, [*command[:5], "--domain", "math", *command[7:]])
     assert math_only.exit_code == 2 and "no prompt of domain math" in math_only.output
+
+
+def test_datagen_gives_every_prompt_set_each_temperature(tiny_llama, tmp_path):
+    """Temperatures cycle within each set, not over the interleaved list: with a long and a short
+    set, cycling over the list gave the short set's prompts one temperature only."""
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+
+    output = tmp_path / "rows.jsonl"
+    result = CliRunner().invoke(main, ["datagen", "--target", str(tiny_llama), "--prompts", "gsm8k-train:6",
+                                       "--prompts", "t0:2", "--output", str(output), "--max-tokens", "2",
+                                       "--max-prompt-tokens", "200", "--batch-size", "8", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r["temperature"] for r in map(json.loads, output.read_text().splitlines())}
+    assert {row_id: rows[row_id] for row_id in ("t0/0", "t0/1")} == {"t0/0": 0.0, "t0/1": 1.0}
+    assert [rows[f"gsm8k-train/{i}"] for i in range(6)] == [0.0, 1.0] * 3
