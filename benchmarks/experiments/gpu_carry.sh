@@ -8,7 +8,8 @@
 #   machine keeps while warm (30 s);
 # - the wheels the device image lacks travel in .gpu/whl: `gguf` (transformers reads the GGUF
 #   with it) and pydantic with its own needs (`dspark_trt.cli` imports the server's protocol);
-# - the committed checkpoints (~200 MB) are taken out of the index until `git reset -- checkpoints`
+# - the committed checkpoints (~200 MB) and figures (benchmarks/results) are taken out of the index
+#   until `--restore`
 #   (nothing on the device needs them; the files stay on disk); with `prefix`, `data` or `resample`
 #   (gpu_session.sh's jobs, which read only the bf16 set, or the bf16 sets), so are the other data
 #   files (13 MB).
@@ -23,9 +24,9 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 if [ "${1:-}" = "--restore" ]; then  # the checkpoints and data back in the index and out of the exclude list
-    git reset -q -- checkpoints data
-    sed -i '\#^/checkpoints/$#d; \#^/data/#d' .git/info/exclude
-    git status --short checkpoints data
+    git reset -q -- checkpoints data benchmarks/results
+    sed -i '\#^/checkpoints/$#d; \#^/data/#d; \#^/benchmarks/results/$#d' .git/info/exclude
+    git status --short checkpoints data benchmarks/results
     echo "restored"
     exit 0
 fi
@@ -42,6 +43,10 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
     "pydantic_core==$(version pydantic_core)" "annotated-types==$(version annotated-types)" \
     "typing-inspection==$(version typing-inspection)" "typing_extensions==$(version typing_extensions)"
 git rm -r -q --cached checkpoints
+# the committed figures (~3.4 MB): nothing on the device reads them, and the data jobs' call
+# with the target's second half and the wheels comes within ~1 MiB of the limit with them
+grep -qx '/benchmarks/results/' .git/info/exclude || echo '/benchmarks/results/' >> .git/info/exclude
+git rm -r -q --cached benchmarks/results
 case "$job" in  # the data files the job reads; the rest stay here
 prefix) keep='^data/train/smollm2-135m-instruct\.bf16\.jsonl\.gz$' ;;
 data | resample) keep='^data/train/smollm2-135m-instruct\.bf16[a-z-]*\.jsonl\.gz$' ;;
@@ -57,5 +62,7 @@ fi
 tree_bytes=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null \
     | awk '{s += $1} END {print s}')
 part_bytes=$(stat -c %s .gpu/gguf.part00)
-echo "each call carries ~$(( (tree_bytes + part_bytes) / 1048576 )) MiB (limit 64)"
+whl_bytes=$(du -sb .gpu/whl | cut -f1)
+echo "the first call carries ~$(( (tree_bytes + part_bytes) / 1048576 )) MiB, the second" \
+    "~$(( (tree_bytes + part_bytes + whl_bytes) / 1048576 )) MiB (limit 64)"
 echo "ready; checkpoints untracked (commit nothing) until: bash benchmarks/experiments/gpu_carry.sh --restore"
