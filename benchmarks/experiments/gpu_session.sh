@@ -43,43 +43,37 @@ for f in data/train/smollm2-135m-instruct.bf16.jsonl.gz data/train/smollm2-135m-
 
 RESAMPLE_ARGS=("${DATA_ARGS[@]}" --data data/train/smollm2-135m-instruct.bf16-resample.jsonl.gz)
 
+train() {  # train_on_gpu.py with these arguments, its progress bars left out of the returned log
+    python3 benchmarks/experiments/train_on_gpu.py "$@" 2>&1 | grep -v -a "it/s\]\|row/s\]"
+    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
+}
+send_back() {  # LOGS_TAR EXPORT_PARENT EXPORT_NAME PARTS: the runs' logs and one export folder, in parts
+    (cd /tmp/gpu/runs && tar czf "$OUT/$1" summary*.json ./*/train_log.jsonl ./*.log)
+    tar czf - -C "$2" "$3" | split -b 15M -d -a 1 - "$OUT/$4.tar.gz.part"
+    ls -la "$OUT"
+}
+
 case "${1:-prefix}" in
 prefix)
-    python3 benchmarks/experiments/train_on_gpu.py --data data/train/smollm2-135m-instruct.bf16.jsonl.gz \
-        --kinds dspark,eagle3 "${RECIPE[@]}" --overlap 1.2 --feature-processes 8 --export-dir /tmp/gpu/export \
-        --wall-seconds 480 2>&1 | grep -v -a "it/s\]\|row/s\]"
-    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
+    train --data data/train/smollm2-135m-instruct.bf16.jsonl.gz --kinds dspark,eagle3 "${RECIPE[@]}" --overlap 1.2 \
+        --feature-processes 8 --export-dir /tmp/gpu/export --wall-seconds 480
     cp /tmp/gpu/runs/summary.json "$OUT/" 2>/dev/null
-    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
-    tar czf - -C /tmp/gpu export | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
-    ls -la "$OUT"
+    send_back train_logs.tar.gz /tmp/gpu export drafters
     ;;
 data)
-    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3,dspark:5 "${RECIPE[@]}" \
-        --steps 800 --feature-processes 12 --export-dir /tmp/gpu/export --wall-seconds "${WALL:-500}" 2>&1 \
-        | grep -v -a "it/s\]\|row/s\]"
-    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
-    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
-    tar czf - -C /tmp/gpu/export dspark-5layer | split -b 15M -d -a 1 - "$OUT/dspark5.tar.gz.part"
-    ls -la "$OUT"
+    train "${DATA_ARGS[@]}" --kinds dspark,eagle3,dspark:5 "${RECIPE[@]}" --steps 800 --feature-processes 12 \
+        --export-dir /tmp/gpu/export --wall-seconds "${WALL:-500}"
+    send_back train_logs.tar.gz /tmp/gpu/export dspark-5layer dspark5
     ;;
 data-resume)  # the pair from its 800-step state to a 1,600-step schedule, side by side (features cached)
-    python3 benchmarks/experiments/train_on_gpu.py "${DATA_ARGS[@]}" --kinds dspark,eagle3 "${RECIPE[@]}" \
-        --steps 1600 --export-dir /tmp/gpu/export1600 --summary /tmp/gpu/runs/summary_1600.json \
-        --wall-seconds "${WALL:-420}" 2>&1 | grep -v -a "it/s\]\|row/s\]"
-    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
-    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs_1600.tar.gz" summary*.json ./*/train_log.jsonl ./*.log)
-    tar czf - -C /tmp/gpu export1600 | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
-    ls -la "$OUT"
+    train "${DATA_ARGS[@]}" --kinds dspark,eagle3 "${RECIPE[@]}" --steps 1600 --export-dir /tmp/gpu/export1600 \
+        --summary /tmp/gpu/runs/summary_1600.json --wall-seconds "${WALL:-420}"
+    send_back train_logs_1600.tar.gz /tmp/gpu export1600 drafters
     ;;
 resample)  # a run stopped by WALL resumes from its checkpoint on the next call
-    python3 benchmarks/experiments/train_on_gpu.py "${RESAMPLE_ARGS[@]}" --kinds dspark,eagle3 "${RECIPE[@]}" \
-        --steps "${STEPS:-800}" --feature-processes 12 --export-dir /tmp/gpu/export-resample \
-        --wall-seconds "${WALL:-500}" 2>&1 | grep -v -a "it/s\]\|row/s\]"
-    echo "train_on_gpu: rc ${PIPESTATUS[0]} at $((SECONDS - start)) s"
-    (cd /tmp/gpu/runs && tar czf "$OUT/train_logs.tar.gz" summary.json ./*/train_log.jsonl ./*.log)
-    tar czf - -C /tmp/gpu export-resample | split -b 15M -d -a 1 - "$OUT/drafters.tar.gz.part"
-    ls -la "$OUT"
+    train "${RESAMPLE_ARGS[@]}" --kinds dspark,eagle3 "${RECIPE[@]}" --steps "${STEPS:-800}" --feature-processes 12 \
+        --export-dir /tmp/gpu/export-resample --wall-seconds "${WALL:-500}"
+    send_back train_logs.tar.gz /tmp/gpu export-resample drafters
     ;;
 scale)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_train_cuda.py \
