@@ -185,6 +185,14 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_d
 @click.option("--target", default="default", show_default=True, help="The target the data came from.")
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Run folder: checkpoints, training state and log; an existing run resumes.")
+@click.option("--domain", "domains", type=click.Choice(["chat", "code", "math"]), multiple=True,
+              help="Train only on rows of this domain (repeatable; default: all), e.g. to fine-tune a drafter "
+                   "for one kind of traffic with --init-from.")
+@click.option("--init-from", default=None,
+              help="Start a new run from this drafter checkpoint folder ('default': the committed DSpark drafter) "
+                   "instead of from the target's layers: fine-tuning. The architecture and draft vocabulary are "
+                   "the checkpoint's (--kind, --head, ... may be left out; given, they must agree); its "
+                   "calibration is dropped (calibrate the result).")
 @click.option("--kind", type=click.Choice(["dspark", "dflash", "eagle3", "mtp1"]), default="dspark", show_default=True,
               help="dspark; baselines: dflash (no sequential/confidence head), eagle3 (1-layer autoregressive, "
                    "training-time test), mtp1 (one draft token).")
@@ -221,42 +229,56 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_d
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=200, show_default=True,
               help="Steps between checkpoints (weights, optimizer, samplers: a stopped run resumes from the last).")
 @device_option("to train and compute missing features")
-def train(data_paths, features_dir, target, output, kind, head, block_size, num_layers, draft_vocab, feature_layers,
-          context_norm, prefix_layer, steps, stop_at, batch_size, anchors, lr, seed, slot_decay, export_dir, precision,
-          features_dtype, compile_loss, checkpoint_every, device):
+def train(data_paths, features_dir, target, output, domains, init_from, kind, head, block_size, num_layers, draft_vocab,
+          feature_layers, context_norm, prefix_layer, steps, stop_at, batch_size, anchors, lr, seed, slot_decay,
+          export_dir, precision, features_dtype, compile_loss, checkpoint_every, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
     from dspark_trt.training.data import (LAZY_FEATURES_ABOVE, FeatureSource, ensure_features, features_target,
                                           lazy_sequences, load_sequences, read_datasets)
     from dspark_trt.training.trainer import (TrainConfig, build_draft_vocab, drafter_config_for, is_held_out,
-                                             resolve_precision, saved_drafter_flag, train_drafter)
+                                             resolve_precision, saved_drafter_flag, starting_drafter, train_drafter)
 
     device = parse_device(device)
     loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
     loaded.model.to(device)
     layers = (tuple(int(x) for x in parse_floats(feature_layers, "--feature-layers")) if feature_layers
               else default_feature_layers(loaded.config.num_layers))
-    rows = [r for r in read_datasets(data_paths) if not is_held_out(r["id"])]
+    config = initial_weights = None
+    if init_from is not None:  # fine-tuning: the checkpoint's architecture, draft vocabulary and feature layers
+        ctx = click.get_current_context()
+        given = {name: value for name, value in (("kind", kind), ("head", head), ("block_size", block_size),
+                                                 ("num_layers", num_layers), ("draft_vocab", draft_vocab),
+                                                 ("feature_layers", layers), ("context_norm", context_norm),
+                                                 ("prefix_layer", prefix_layer))
+                 if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+        config, initial_weights = starting_drafter(init_from, loaded, given)
+        layers, vocab = tuple(config.feature_layers), initial_weights["draft_vocab"]
+    rows = [r for r in read_datasets(data_paths) if not is_held_out(r["id"]) and (not domains or r["domain"] in domains)]
     if not rows:
-        raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no training rows", param_hint="--data")
+        which = f" of domain {', '.join(domains)}" if domains else ""
+        raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no training rows{which}", param_hint="--data")
     feature_computer = features_target(loaded, target, features_dtype, device)
     if len(rows) > LAZY_FEATURES_ABOVE:  # too many to hold: read per batch, computed when first sampled
         sequences = lazy_sequences(rows, FeatureSource(feature_computer, features_dir, layers))
     else:
         ensure_features(feature_computer, rows, features_dir, layers)
         sequences = load_sequences(rows, features_dir)
-    if context_norm is None:  # a new run norms its context; a resumed one keeps what it started with
-        context_norm = saved_drafter_flag(output, "context_norm") is not False
-    if prefix_layer is None:  # off for a new run until it has been judged at full budget; a resume keeps it
-        prefix_layer = saved_drafter_flag(output, "prefix_layer") is True
-    config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
-                                draft_vocab=draft_vocab, context_norm=context_norm, prefix_layer=prefix_layer)
-    vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
+    if initial_weights is None:
+        if context_norm is None:  # a new run norms its context; a resumed one keeps what it started with
+            context_norm = saved_drafter_flag(output, "context_norm") is not False
+        if prefix_layer is None:  # off for a new run until it has been judged at full budget; a resume keeps it
+            prefix_layer = saved_drafter_flag(output, "prefix_layer") is True
+        config = drafter_config_for(kind, loaded, layers, head=head, block_size=block_size, num_layers=num_layers,
+                                    draft_vocab=draft_vocab, context_norm=context_norm, prefix_layer=prefix_layer)
+        vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
                                learning_rate=lr, seed=seed, slot_decay=slot_decay, checkpoint_every=checkpoint_every,
-                               precision=resolve_precision(precision, device), compile_loss=compile_loss)
-    drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device)
+                               precision=resolve_precision(precision, device), compile_loss=compile_loss,
+                               init_from=str(init_from or ""))
+    drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device,
+                            initial_weights=initial_weights)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
     if export_dir:
         import torch
@@ -264,7 +286,7 @@ def train(data_paths, features_dir, target, output, kind, head, block_size, num_
         from dspark_trt.models.drafter_io import save_drafter
         from dspark_trt.training.trainer import model_card
 
-        card = model_card(drafter, data_paths, sequences, train_config, output)
+        card = model_card(drafter, data_paths, sequences, train_config, output, domains)
         save_drafter(drafter, export_dir, dtype=torch.float16, extra_files={"MODEL_CARD.md": card})
         click.echo(f"exported (fp16) to {export_dir}")
 

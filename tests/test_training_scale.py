@@ -377,3 +377,61 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
     assert json.loads((tmp_path / "prefix" / "drafter" / "config.json").read_text())["prefix_layer"] is True
     refused = train("prefix", "--no-prefix-layer", steps=4)
     assert refused.exit_code != 0 and "Traceback" not in refused.output and "prefix_layer = True" in refused.output
+
+
+def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, dataset, tmp_path):
+    """`train --init-from DRAFTER --domain D` starts a new run from the checkpoint's weights, with its
+    architecture, draft vocabulary and feature layers (none given here), on the rows of domain D
+    only, and drops its calibration: at lr 0 the fine-tuned export is the checkpoint bit for bit
+    (a run that started from the target's layers would differ); the model card says where it
+    started and which rows it saw. An architecture option that disagrees with the checkpoint is
+    refused naming the field, one that agrees is accepted, and a domain without rows is refused."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from dspark_trt.cli import main
+    from dspark_trt.training.trainer import is_held_out
+
+    rows, features_dir = dataset
+    relabelled = [{**row, "domain": "chat" if i % 2 else row["domain"]} for i, row in enumerate(rows)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in relabelled))
+    common = ["--data", str(data), "--features-dir", str(features_dir), "--target", str(tiny_llama),
+              "--steps", "2", "--batch-size", "2", "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32"]
+
+    def train(output, *options):
+        return CliRunner().invoke(main, ["train", *common, "--output", str(tmp_path / output),
+                                         "--export", str(tmp_path / output / "export"), *options])
+
+    result = train("base", "--num-layers", "1", "--block-size", "4", "--draft-vocab", "1024", "--prefix-layer",
+                   "--feature-layers", ",".join(map(str, FEATURE_LAYERS)))
+    assert result.exit_code == 0, result.output
+    base = tmp_path / "base" / "export"
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "confidence_temperatures": [0.9, 0.8, 0.7, 0.6]}))
+
+    result = train("tuned", "--init-from", str(base), "--domain", "chat", "--lr", "0")
+    assert result.exit_code == 0, result.output
+    num_chat = sum(row["domain"] == "chat" and not is_held_out(row["id"]) for row in relabelled)
+    assert 0 < num_chat < sum(not is_held_out(row["id"]) for row in rows)
+    assert f"({num_chat} training sequences)" in result.output
+    tuned = tmp_path / "tuned" / "export"
+    before, after = load_file(base / "model.safetensors"), load_file(tuned / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    tuned_config = json.loads((tuned / "config.json").read_text())
+    assert tuned_config["confidence_temperatures"] == []
+    assert {k: v for k, v in tuned_config.items() if k != "confidence_temperatures"} == {
+        k: v for k, v in config.items() if k != "confidence_temperatures"}
+    card = (tuned / "MODEL_CARD.md").read_text()
+    assert f"starting from the drafter `{base}`" in card and "(only its chat rows)" in card
+
+    moved = train("moved", "--init-from", str(base), "--domain", "chat", "--num-layers", "1", "--lr", "1e-2")
+    assert moved.exit_code == 0, moved.output  # an architecture option that agrees is accepted; it trains
+    after = load_file(tmp_path / "moved" / "export" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before if before[k].is_floating_point())
+
+    refused = train("refused", "--init-from", str(base), "--num-layers", "2")
+    assert refused.exit_code != 0 and "Traceback" not in refused.output
+    assert "num_layers = 1" in refused.output and not (tmp_path / "refused").exists()
+    empty = train("empty", "--init-from", str(base), "--domain", "code")
+    assert empty.exit_code != 0 and "Traceback" not in empty.output and "of domain code" in empty.output

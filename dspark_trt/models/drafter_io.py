@@ -78,7 +78,10 @@ def resave_drafter(drafter: DrafterBase, folder: Path, extra_files: dict[str, st
     save_drafter(drafter, folder, dtype=dtype, extra_files={**kept, **(extra_files or {})})
 
 
-def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
+def read_drafter(spec: str | os.PathLike, target: LoadedTarget) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """A checkpoint's config (checked against `target`) and its stored weights, as saved (fp16 or
+    fp32), draft vocabulary included: what `load_drafter` builds from, and what a fine-tuning run
+    (`dspark-trt train --init-from`) starts from."""
     from safetensors.torch import load_file
 
     folder = DEFAULT_DRAFTER_DIR if str(spec) == "default" else Path(spec)
@@ -96,9 +99,14 @@ def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
         raise ModelLoadError(f"corrupt drafter weights in {folder}: {exc}") from None
     if "draft_vocab" not in state:
         raise ModelLoadError(f"{folder}/model.safetensors lacks the draft vocabulary")
+    return config, state
+
+
+def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
+    config, state = read_drafter(spec, target)
     drafter = build_drafter(config, state["draft_vocab"])
     try:
         drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     except RuntimeError as exc:
-        raise ModelLoadError(f"drafter weights in {folder} do not match its config.json: {exc}") from None
+        raise ModelLoadError(f"drafter {str(spec)!r}: its weights do not match its config.json: {exc}") from None
     return drafter.attach_target(target.model).eval().requires_grad_(False)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.drafter import DrafterBase
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.drafter_io import build_drafter, save_drafter
+from dspark_trt.models.drafter_io import build_drafter, read_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
@@ -60,6 +60,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     log_every: int = 20
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
+    init_from: str = ""  # a drafter checkpoint the weights start from instead (fine-tuning; `initial_weights`)
     slot_decay: float = SLOT_DECAY  # L1 weight of slot k: exp(-(k-1)/slot_decay)
     precision: str = "fp32"  # "bf16": autocast matmuls to bf16 (fp32 master weights); see resolve_precision
     compile_loss: bool = False  # the slot losses through torch.compile (losses.compiled_slot_terms)
@@ -133,6 +134,32 @@ def check_same_drafter(saved: dict | None, drafter_config: DrafterConfig) -> Non
                               f"with the options it started with, or train into another --output")
 
 
+# `dspark-trt train` options -> the DrafterConfig field each sets (what `starting_drafter` checks).
+ARCHITECTURE_OPTIONS = {"kind": "kind", "head": "head", "block_size": "block_size", "num_layers": "num_layers",
+                        "draft_vocab": "draft_vocab_size", "feature_layers": "feature_layers",
+                        "context_norm": "context_norm", "prefix_layer": "prefix_layer"}
+
+
+def starting_drafter(spec: str, target: LoadedTarget, given: dict) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """What a fine-tuning run (`train --init-from SPEC`) starts from: the checkpoint's config, without
+    its calibration (fine-tuning moves the confidences it was fitted to), and its weights. `given`:
+    the architecture options set on the command line (names as in `ARCHITECTURE_OPTIONS`); each must
+    agree with the checkpoint, since its weights mean nothing under another shape."""
+    config, weights = read_drafter(spec, target)
+    for option, value in given.items():
+        field_name = ARCHITECTURE_OPTIONS[option]
+        theirs = getattr(config, field_name)
+        if isinstance(theirs, (list, tuple)):
+            theirs, value = list(theirs), list(value)
+        if option == "draft_vocab":  # 0 and the target's vocabulary size both mean all of it
+            theirs, value = theirs or target.config.vocab_size, value or target.config.vocab_size
+        if theirs != value:
+            raise DsparkError(f"--{option.replace('_', '-')} {value}: the --init-from drafter {spec!r} has "
+                              f"{field_name} = {theirs!r}; leave the option out (fine-tuning keeps the architecture)")
+    config.confidence_temperatures = []
+    return config, weights
+
+
 def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
     """A stable split by id: the same rows are held out (for calibration/validation) on every run.
     A resample (`resample/<id>`: the same prompt answered again) goes where its first row went,
@@ -189,9 +216,14 @@ def device_description(device: torch.device) -> str:
 def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_config: DrafterConfig,
                   draft_vocab: torch.Tensor, config: TrainConfig, run_dir: Path,
                   progress: bool = True, stop_at: int | None = None,
-                  device: torch.device | str = "cpu") -> DrafterBase:
+                  device: torch.device | str = "cpu",
+                  initial_weights: dict[str, torch.Tensor] | None = None) -> DrafterBase:
     """Train (or resume) until `config.steps`, or until step `stop_at` when given (the schedule
     still spans `config.steps`, so a later call continues exactly where this one stopped).
+
+    `initial_weights` (a drafter checkpoint's, `drafter_io.read_drafter`, of `drafter_config`'s
+    architecture and `draft_vocab`): a new run starts from them instead of from the target's
+    layers: fine-tuning a trained drafter, e.g. on one domain's traffic. A resumed run ignores them.
 
     `device`: where the drafter trains; the target's weights are moved there too (the drafter
     borrows its embedding and LM head). Batches are gathered on the CPU one step ahead, in a
@@ -205,7 +237,11 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     torch.manual_seed(config.seed)
     target.model.to(device)
     drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
-    if config.init_from_target:
+    if initial_weights is not None:
+        if not torch.equal(initial_weights["draft_vocab"], draft_vocab):
+            raise DsparkError("initial_weights: their draft vocabulary is not the one given to train with")
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in initial_weights.items()})
+    elif config.init_from_target:
         drafter.init_layers_from_target(target.model)
     drafter.to(device)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate,
@@ -300,7 +336,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
 
 
 def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Sequence], config: TrainConfig,
-               run_dir: Path) -> str:
+               run_dir: Path, domains: tuple[str, ...] = ()) -> str:
     """A short markdown card: what the drafter is, what it was trained on, for how long."""
     state = run_progress(run_dir)
     log = [json.loads(line) for line in (Path(run_dir) / "train_log.jsonl").read_text().splitlines()]
@@ -315,6 +351,10 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
     throughput = (f", {blocks:,} blocks ({blocks / state['elapsed']:.0f} blocks/s, {precision})"
                   if blocks and state["elapsed"] else "")
     files = ", ".join(f"`{path}`" for path in data_paths)
+    if domains:
+        files += f" (only its {' and '.join(domains)} rows)"
+    start = (f", starting from the drafter `{config.init_from}` (fine-tuned; its architecture and draft vocabulary)"
+             if config.init_from else "")
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
     context = " (each norms the target context with its own input norm: `context_norm`)" if c.context_norm else ""
@@ -327,8 +367,8 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
   target feature layers {list(c.feature_layers)}; {num_params / 1e6:.1f}M trained parameters (fp16 here).
 - data: {files}: {len(sequences)} training sequences ({response_tokens} response tokens)
   regenerated by the target itself; 5% of rows (by id) held out for calibration.
-- training: {state["step"]} steps{schedule} of {config.sequences_per_batch} sequences x {config.anchors_per_sequence} \
-anchors,
+- training: {state["step"]} steps{schedule}{start} of {config.sequences_per_batch} sequences x \
+{config.anchors_per_sequence} anchors,
   AdamW lr {config.learning_rate} (warm-up {config.warmup_fraction:.0%}, cosine), clip {config.grad_clip},
   {loss},
   {state["elapsed"] / 60:.1f} min on {state.get("device", "this machine's CPU")}{throughput}.
