@@ -164,21 +164,17 @@ class ExportDrafter(nn.Module):
         d, prefix = self.drafter, self.drafter.prefix
         weights = sd.HeadWeights(self.w1, self.w2, self.gru, self.conf_w, self.conf_b, self.conf_inv_temps, self.head,
                                  int(d.confidence is not None))
-        keys = values = None  # the prefix layer's keys/values of slots 1..k-1, [B, KVH, k-1, HD]
-        previous, previous_tokens = anchor_ids, anchor_tokens  # x_{k-1}: draft-vocab ids, target ids
-        state = logits.new_zeros(logits.shape[0], self.w1.shape[1])  # RNN state s_0
-        slots = []
-        for k in range(self.block_size):  # static: the graph holds G copies of the layer
+        cache = {"keys": None, "values": None}  # the prefix layer's keys/values of slots 1..k-1, [B, KVH, k-1, HD]
+
+        def correct(k, previous, logits_k):  # static k: the graph holds G copies of the layer
+            previous_tokens = anchor_tokens if k == 0 else d.draft_vocab[previous]  # x_{k-1} as target ids
             embedding = _rms(d.embed[previous_tokens].to(hidden.dtype), prefix.embedding_norm.weight, self.eps)
             u = torch.cat([hidden[:, k], embedding], dim=-1) @ prefix.project.weight.t()  # [B, D]
             out, (own_keys, own_values) = self._attention(prefix.layer, u[:, None], cos[:, k : k + 1],
-                                                          sin[:, k : k + 1], keys, values, None)
-            keys = own_keys if keys is None else torch.cat([keys, own_keys], dim=2)
-            values = own_values if values is None else torch.cat([values, own_values], dim=2)
+                                                          sin[:, k : k + 1], cache["keys"], cache["values"], None)
+            for name, own in (("keys", own_keys), ("values", own_values)):
+                cache[name] = own if cache[name] is None else torch.cat([cache[name], own], dim=2)
             correction = _rms(out[:, 0], prefix.norm.weight, self.eps) @ prefix.out.weight.t()  # [B, D]
-            # U(h_k + correction) = U_k + U(correction): the LM head is linear
-            slot = sd.draft_slot(logits[:, k] + correction @ self.lm_head_t, hidden[:, k], previous, state, k, weights,
-                                 temperatures, uniforms[:, k])
-            slots.append(slot)
-            previous, previous_tokens, state = slot.ids, d.draft_vocab[slot.ids], slot.state
-        return sd.stack_slots(slots)
+            return logits_k + correction @ self.lm_head_t  # U(h_k + correction) = U_k + U(correction): U is linear
+
+        return sd.draft_block(logits, hidden, anchor_ids, weights, temperatures, uniforms, correct)

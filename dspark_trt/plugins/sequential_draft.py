@@ -89,8 +89,7 @@ class SlotDraw(NamedTuple):
 def draft_slot(logits_k, hidden_k, previous, state, k: int, weights: HeadWeights, temperatures, uniforms_k) -> SlotDraw:
     """Slot k of the operator (module docstring) for every row: logits U_k `[B, V]`, hidden h_k
     `[B, D]`, x_{k-1} `[B]` draft ids, the RNN state s_{k-1} `[B, R]`, uniforms u_k `[B]`.
-    `reference` loops over it; so does the exported prefix-layer drafter, which corrects U_k
-    before each slot (builder/export_drafter.py)."""
+    `draft_block` loops over it."""
     w, vocab = weights, logits_k.shape[-1]
     greedy = temperatures <= 0  # [B]
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]  # [B, 1]
@@ -120,18 +119,27 @@ def stack_slots(slots: list[SlotDraw]) -> tuple[torch.Tensor, torch.Tensor, torc
                  for name in ("ids", "token_probs", "confidences", "distributions"))
 
 
+def draft_block(logits, hidden, anchor_ids, weights: HeadWeights, temperatures, uniforms, correct_logits=None):
+    """The operator's slot loop: logits `[B, G, V]`, hidden `[B, G, D]`, anchor draft ids `[B]`,
+    uniforms `[B, G]` -> (draft_ids, token_probs, confidences, distributions). `correct_logits(k,
+    previous, logits_k)`, when given, replaces U_k before slot k draws, knowing x_{k-1} (`previous`,
+    draft ids): the exported prefix-layer drafter's hook (builder/export_drafter.py)."""
+    previous = anchor_ids  # [B] draft-vocabulary ids (V = out of vocabulary)
+    state = logits.new_zeros(logits.shape[0], weights.w1.shape[1])  # RNN state s_0
+    slots = []
+    for k in range(logits.shape[1]):  # a static loop: the block size is fixed per drafter
+        logits_k = logits[:, k] if correct_logits is None else correct_logits(k, previous, logits[:, k])
+        slots.append(draft_slot(logits_k, hidden[:, k], previous, state, k, weights, temperatures, uniforms[:, k]))
+        previous, state = slots[-1].ids, slots[-1].state
+    return stack_slots(slots)
+
+
 def reference(logits, hidden, anchor_ids, w1, w2, gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh, conf_w, conf_b,
               conf_inv_temps, temperatures, uniforms, head: int, has_confidence: int):
     """The operator's semantics (module docstring); returns (draft_ids, token_probs, confidences, distributions)."""
     weights = HeadWeights(w1, w2, (gru_w_ih, gru_w_hh, gru_b_ih, gru_b_hh), conf_w, conf_b, conf_inv_temps, head,
                           has_confidence)
-    previous = anchor_ids  # [B] draft-vocabulary ids (V = out of vocabulary)
-    state = logits.new_zeros(logits.shape[0], w1.shape[1])  # RNN state s_0
-    slots = []
-    for k in range(logits.shape[1]):  # a static loop: the block size is fixed per drafter
-        slots.append(draft_slot(logits[:, k], hidden[:, k], previous, state, k, weights, temperatures, uniforms[:, k]))
-        previous, state = slots[-1].ids, slots[-1].state
-    return stack_slots(slots)
+    return draft_block(logits, hidden, anchor_ids, weights, temperatures, uniforms)
 
 
 # ---- face 2: the torch custom op and its ONNX node ------------------------------------------------
