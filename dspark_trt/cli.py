@@ -276,7 +276,7 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
                                learning_rate=lr, seed=seed, slot_decay=slot_decay, checkpoint_every=checkpoint_every,
                                precision=resolve_precision(precision, device), compile_loss=compile_loss,
-                               init_from=str(init_from or ""))
+                               init_from=str(init_from or ""), domains=list(domains))
     drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device,
                             initial_weights=initial_weights)
     click.echo(f"drafter checkpoint: {output / 'drafter'} ({len(sequences)} training sequences)")
@@ -286,7 +286,7 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
         from dspark_trt.models.drafter_io import save_drafter
         from dspark_trt.training.trainer import model_card
 
-        card = model_card(drafter, data_paths, sequences, train_config, output, domains)
+        card = model_card(drafter, data_paths, sequences, train_config, output)
         save_drafter(drafter, export_dir, dtype=torch.float16, extra_files={"MODEL_CARD.md": card})
         click.echo(f"exported (fp16) to {export_dir}")
 

@@ -379,7 +379,7 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
     assert refused.exit_code != 0 and "Traceback" not in refused.output and "prefix_layer = True" in refused.output
 
 
-def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, dataset, tmp_path):
+def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, target, dataset, tmp_path):
     """`train --init-from DRAFTER --domain D` starts a new run from the checkpoint's weights, with its
     architecture, draft vocabulary and feature layers (none given here), on the rows of domain D
     only, and drops its calibration: at lr 0 the fine-tuned export is the checkpoint bit for bit
@@ -397,14 +397,15 @@ def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, datase
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in relabelled))
     common = ["--data", str(data), "--features-dir", str(features_dir), "--target", str(tiny_llama),
-              "--steps", "2", "--batch-size", "2", "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32"]
+              "--batch-size", "2", "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32"]
+    architecture = ["--num-layers", "1", "--block-size", "4", "--draft-vocab", "8", "--prefix-layer",
+                    "--feature-layers", ",".join(map(str, FEATURE_LAYERS))]
 
-    def train(output, *options):
-        return CliRunner().invoke(main, ["train", *common, "--output", str(tmp_path / output),
+    def train(output, *options, steps=2):
+        return CliRunner().invoke(main, ["train", *common, "--steps", str(steps), "--output", str(tmp_path / output),
                                          "--export", str(tmp_path / output / "export"), *options])
 
-    result = train("base", "--num-layers", "1", "--block-size", "4", "--draft-vocab", "1024", "--prefix-layer",
-                   "--feature-layers", ",".join(map(str, FEATURE_LAYERS)))
+    result = train("base", *architecture)
     assert result.exit_code == 0, result.output
     base = tmp_path / "base" / "export"
     config = json.loads((base / "config.json").read_text())
@@ -423,10 +424,36 @@ def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, datase
     assert {k: v for k, v in tuned_config.items() if k != "confidence_temperatures"} == {
         k: v for k, v in config.items() if k != "confidence_temperatures"}
     card = (tuned / "MODEL_CARD.md").read_text()
-    assert f"starting from the drafter `{base}`" in card and "(only its chat rows)" in card
+    assert f"anchors, fine-tuning the drafter `{base}`" in card and "(only their chat rows)" in card
 
-    moved = train("moved", "--init-from", str(base), "--domain", "chat", "--num-layers", "1", "--lr", "1e-2")
-    assert moved.exit_code == 0, moved.output  # an architecture option that agrees is accepted; it trains
+    # resumed without --init-from (the same architecture spelled out) on data whose chat responses
+    # would choose another vocabulary (the same lengths, so the cached features still fit), the run
+    # keeps the checkpoint's vocabulary, and its card still says where it started
+    other = [{**row, "response_ids": [500] * len(row["response_ids"])} if row["domain"] == "chat" else row
+             for row in relabelled]
+    data.write_text("".join(json.dumps(row) + "\n" for row in other))
+    chat_rows = [row for row in other if row["domain"] == "chat" and not is_held_out(row["id"])]
+    chosen_now = build_draft_vocab(chat_rows, 8, target.config.vocab_size, set(target.eos_token_ids))
+    assert 500 in chosen_now and 500 not in before["draft_vocab"]
+    resumed = train("tuned", "--domain", "chat", "--lr", "0", *architecture, steps=4)
+    assert resumed.exit_code == 0, resumed.output
+    after = load_file(tuned / "model.safetensors")
+    assert run_state.run_progress(tmp_path / "tuned")["step"] == 4
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert f"fine-tuning the drafter `{base}`" in (tuned / "MODEL_CARD.md").read_text()
+    # ... and builds its id maps and LM-head rows from that vocabulary, not from the one passed in
+    resumed_drafter = train_drafter(target, load_sequences(rows[:2], features_dir),
+                                    DrafterConfig.load(tmp_path / "tuned" / "drafter"), chosen_now,
+                                    TrainConfig(steps=4, sequences_per_batch=2, anchors_per_sequence=4),
+                                    tmp_path / "tuned", progress=False)
+    kept = before["draft_vocab"]
+    assert torch.equal(resumed_drafter.draft_vocab, kept)
+    assert torch.equal(resumed_drafter.to_draft[kept], torch.arange(kept.numel()))
+    assert torch.equal(resumed_drafter.lm_head_t, target.model.lm_head.weight_t[:, kept].float())
+
+    data.write_text("".join(json.dumps(row) + "\n" for row in relabelled))
+    moved = train("moved", "--init-from", str(base), "--domain", "chat", *architecture, "--lr", "1e-2")
+    assert moved.exit_code == 0, moved.output  # architecture options that agree are accepted; it trains
     after = load_file(tmp_path / "moved" / "export" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if before[k].is_floating_point())
 

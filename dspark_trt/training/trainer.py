@@ -30,7 +30,7 @@ import time
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,7 @@ class TrainConfig:
     log_every: int = 20
     init_from_target: bool = True  # draft layers start as copies of the target's last layers
     init_from: str = ""  # a drafter checkpoint the weights start from instead (fine-tuning; `initial_weights`)
+    domains: list[str] = field(default_factory=list)  # the data's rows of these domains only (empty: all)
     slot_decay: float = SLOT_DECAY  # L1 weight of slot k: exp(-(k-1)/slot_decay)
     precision: str = "fp32"  # "bf16": autocast matmuls to bf16 (fp32 master weights); see resolve_precision
     compile_loss: bool = False  # the slot losses through torch.compile (losses.compiled_slot_terms)
@@ -151,8 +152,9 @@ def starting_drafter(spec: str, target: LoadedTarget, given: dict) -> tuple[Draf
         theirs = getattr(config, field_name)
         if isinstance(theirs, (list, tuple)):
             theirs, value = list(theirs), list(value)
-        if option == "draft_vocab":  # 0 and the target's vocabulary size both mean all of it
-            theirs, value = theirs or target.config.vocab_size, value or target.config.vocab_size
+        if option == "draft_vocab":  # 0, or any size not below the target's vocabulary, means all of it
+            vocab_size = target.config.vocab_size
+            theirs, value = (v if 0 < v < vocab_size else vocab_size for v in (theirs, value))
         if theirs != value:
             raise DsparkError(f"--{option.replace('_', '-')} {value}: the --init-from drafter {spec!r} has "
                               f"{field_name} = {theirs!r}; leave the option out (fine-tuning keeps the architecture)")
@@ -236,11 +238,21 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
         raise ValueError(f"TrainConfig.precision must be bf16 or fp32 (resolve_precision), got {config.precision!r}")
     torch.manual_seed(config.seed)
     target.model.to(device)
+    saved = load_run_state(run_dir)
+    if saved is not None:
+        check_same_drafter(saved[0].get("drafter_config"), drafter_config)
+    if saved is not None and "drafter.draft_vocab" in saved[1]:
+        # A resumed run keeps the vocabulary it started with (its LM-head rows and id maps are built
+        # from it here), whatever the data given now would choose.
+        draft_vocab = saved[1]["drafter.draft_vocab"]
     drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
-    if initial_weights is not None:
+    if saved is None and initial_weights is not None:
         if not torch.equal(initial_weights["draft_vocab"], draft_vocab):
             raise DsparkError("initial_weights: their draft vocabulary is not the one given to train with")
-        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in initial_weights.items()})
+        try:
+            drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in initial_weights.items()})
+        except RuntimeError as exc:
+            raise DsparkError(f"--init-from {config.init_from}: its weights do not fit its config.json: {exc}") from None
     elif config.init_from_target:
         drafter.init_layers_from_target(target.model)
     drafter.to(device)
@@ -249,10 +261,11 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     start_step, elapsed, num_blocks = 0, 0.0, 0
     generator = torch.Generator().manual_seed(config.seed)
     rng = random.Random(config.seed)
-    saved = load_run_state(run_dir)
     if saved is not None:  # resume
         meta, tensors = saved
-        check_same_drafter(meta.get("drafter_config"), drafter_config)
+        started_from = meta.get("train_config", {}).get("init_from", "")
+        if started_from and not config.init_from:  # resumed without --init-from: it still started there
+            config = replace(config, init_from=started_from)
         drafter.load_state_dict({k[len("drafter."):]: v for k, v in tensors.items() if k.startswith("drafter.")})
         optimizer.load_state_dict(optimizer_from_files(meta["optimizer"], tensors))
         start_step, elapsed, num_blocks = meta["step"], meta["elapsed"], meta.get("num_blocks", 0)
@@ -336,7 +349,7 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
 
 
 def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Sequence], config: TrainConfig,
-               run_dir: Path, domains: tuple[str, ...] = ()) -> str:
+               run_dir: Path) -> str:
     """A short markdown card: what the drafter is, what it was trained on, for how long."""
     state = run_progress(run_dir)
     log = [json.loads(line) for line in (Path(run_dir) / "train_log.jsonl").read_text().splitlines()]
@@ -351,10 +364,10 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
     throughput = (f", {blocks:,} blocks ({blocks / state['elapsed']:.0f} blocks/s, {precision})"
                   if blocks and state["elapsed"] else "")
     files = ", ".join(f"`{path}`" for path in data_paths)
-    if domains:
-        files += f" (only its {' and '.join(domains)} rows)"
-    start = (f", starting from the drafter `{config.init_from}` (fine-tuned; its architecture and draft vocabulary)"
-             if config.init_from else "")
+    if config.domains:
+        files += f" (only their {' and '.join(config.domains)} rows)"
+    init_from = state.get("train_config", {}).get("init_from", "")  # how the run started, not how it resumed
+    start = f", fine-tuning the drafter `{init_from}` (its architecture and draft vocabulary)" if init_from else ""
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
     context = " (each norms the target context with its own input norm: `context_norm`)" if c.context_norm else ""
@@ -367,8 +380,8 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
   target feature layers {list(c.feature_layers)}; {num_params / 1e6:.1f}M trained parameters (fp16 here).
 - data: {files}: {len(sequences)} training sequences ({response_tokens} response tokens)
   regenerated by the target itself; 5% of rows (by id) held out for calibration.
-- training: {state["step"]} steps{schedule}{start} of {config.sequences_per_batch} sequences x \
-{config.anchors_per_sequence} anchors,
+- training: {state["step"]} steps{schedule} of {config.sequences_per_batch} sequences x \
+{config.anchors_per_sequence} anchors{start},
   AdamW lr {config.learning_rate} (warm-up {config.warmup_fraction:.0%}, cosine), clip {config.grad_clip},
   {loss},
   {state["elapsed"] / 60:.1f} min on {state.get("device", "this machine's CPU")}{throughput}.
