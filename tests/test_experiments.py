@@ -153,3 +153,35 @@ def test_draft_vocab_reach_widens_a_drafter_without_changing_what_it_drafted(tin
     assert torch.allclose(wide_confidence, confidence, atol=1e-5)
     with pytest.raises(SystemExit, match="only"):
         widened(drafter, target.model, frequent[:20], 512 + 10_000)
+
+    # measure's bins by the target's top-1 probability: each holds the share of supervised slots whose
+    # target p(greedy token) falls in it (computed here from the batches' target states), and their
+    # acceptances, weighted by share, give the per-slot acceptance pooled over slots
+    from draft_vocab_reach import measure
+
+    from dspark_trt.models.target import rms_norm
+
+    sequences = load_sequences(rows, features_dir)
+    generator, per_slot, top1 = torch.Generator().manual_seed(0), torch.zeros(4, dtype=torch.float64), []
+    for start in range(0, len(sequences), 3):  # the batches measure draws: the same seeded anchors
+        batch = make_batch(sequences[start : start + 3], 6, 4, 2, 64, generator)
+        per_slot += batch.valid.sum((0, 1)).double()
+        hidden = rms_norm(batch.target_hidden, target.model.final_norm.detach(), target.config.rms_norm_eps)
+        logits = hidden @ target.model.lm_head.weight_t.detach().float()
+        top1 += (logits.max(-1).values - logits.logsumexp(-1)).exp()[batch.valid].tolist()  # p(greedy token)
+    assert len(top1) == int(per_slot.sum())
+    # the tiny target is sure of itself (and repeats states): edges between its own distinct values
+    # fill every bin and stay clear of float rounding
+    distinct = sorted(set(top1))
+    cut = [len(distinct) * q // 4 for q in (1, 2, 3)]
+    edges = (0.0, *((distinct[i - 1] + distinct[i]) / 2 for i in cut), 1.0)
+    assert len(set(edges)) == 5
+    figures = measure(drafter, sequences, 6, 3, target.model.final_norm.detach(), target.config.rms_norm_eps,
+                      target.model.lm_head.weight_t.detach().float(), top1_bins=edges)
+    bins = figures["by_target_top1"]
+    assert [b["top1"] for b in bins] == [[edges[i], edges[i + 1]] for i in range(4)]
+    for b in bins:
+        inside = sum(b["top1"][0] <= p < b["top1"][1] or (p == 1.0 == b["top1"][1]) for p in top1)
+        assert inside > 0 and b["share"] == pytest.approx(inside / len(top1), abs=1e-6)
+    pooled = float((torch.tensor(figures["t0"], dtype=torch.float64) * per_slot).sum() / per_slot.sum())
+    assert sum(b["share"] * (b["t0"] or 0.0) for b in bins) == pytest.approx(pooled, abs=1e-9)

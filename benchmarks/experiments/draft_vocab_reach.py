@@ -17,6 +17,10 @@ and slot, this measures:
   vocabulary) and `t1`: 1 - 0.5 * L1 to the target distribution, the chance rejection sampling
   accepts the slot at T=1 (the target's mass outside the draft vocabulary counts as lost), each
   with its implied block tau (1 + sum_k prod_{j<=k} a_j).
+- `by_target_top1`: the same slots grouped by how sure the target is of its greedy token (its
+  top-1 probability, bins `TOP1_BINS`): each bin's share of the slots and the drafter's greedy
+  acceptance within it. It separates a domain whose target is less predictable (more slots in
+  the low bins) from a drafter that predicts that domain worse (lower acceptance in the same bin).
 `--widen N` also measures the same drafter with its vocabulary widened to N tokens at inference,
 without training: the next most frequent tokens of `--data` and `--vocab-data` are appended, their
 LM-head rows are the target's, the Markov head's bias for them is zero and, as the previous token,
@@ -34,6 +38,7 @@ from generalization_gap import named_drafters
 from learning_curve import implied_block_tau
 
 DOMAINS = ("chat", "code", "math")
+TOP1_BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)  # the target's top-1 probability: bin edges
 
 
 def widened(drafter, target_model, extra_tokens: list[int], size: int):
@@ -64,8 +69,10 @@ def widened(drafter, target_model, extra_tokens: list[int], size: int):
     return wide.attach_target(target_model).eval().requires_grad_(False)  # the LM-head rows of the new tokens
 
 
-def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_norm, eps: float, full_head) -> dict:
-    """Per-slot oov / t0 / t1 over the sequences, with the same seeded anchors for every drafter."""
+def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_norm, eps: float, full_head,
+            top1_bins: tuple[float, ...] = TOP1_BINS) -> dict:
+    """Per-slot oov / t0 / t1 over the sequences, with the same seeded anchors for every drafter,
+    and greedy acceptance by the target's top-1 probability (bins [a, b) with edges `top1_bins`)."""
     import torch
     from tqdm import tqdm
 
@@ -76,6 +83,8 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
     c = drafter.config
     generator = torch.Generator().manual_seed(0)
     sums = {name: torch.zeros(c.block_size, dtype=torch.float64) for name in ("oov", "t0", "t1", "blocks")}
+    num_bins = len(top1_bins) - 1
+    bin_slots, bin_accepted = torch.zeros(num_bins, dtype=torch.float64), torch.zeros(num_bins, dtype=torch.float64)
     for start in tqdm(range(0, len(sequences), rows_per_batch), leave=False, unit="batch"):
         batch = make_batch(sequences[start : start + rows_per_batch], anchors, c.block_size, len(c.feature_layers),
                            c.hidden_size, generator)
@@ -84,16 +93,24 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
             hidden = rms_norm(batch.target_hidden, target_final_norm, eps)
             p_target = target_probs(hidden @ drafter.lm_head_t, batch.target_logsumexp)
             l1 = l1_to_target(torch.log_softmax(logits.float(), -1), p_target)
-            greedy_target = (hidden @ full_head).argmax(-1)  # over the whole target vocabulary
+            target_logits = hidden @ full_head  # over the whole target vocabulary
+            greedy_target = target_logits.argmax(-1)
+            top1 = (target_logits.max(-1).values - target_logits.logsumexp(-1)).exp()  # the target's p(greedy token)
             greedy_draft = drafter.draft_vocab[logits.argmax(-1)]
         valid = batch.valid.double()
         outside = drafter.to_draft[greedy_target] == drafter.draft_vocab.numel()
         for name, value in (("oov", outside), ("t0", greedy_draft == greedy_target), ("t1", (1 - 0.5 * l1).clamp(0, 1))):
             sums[name] += (value.double() * valid).sum((0, 1))
         sums["blocks"] += valid.sum((0, 1))
+        bins = torch.bucketize(top1, torch.tensor(top1_bins[1:-1]), right=True)[batch.valid]  # [slots]: bin [a, b)
+        bin_slots += torch.bincount(bins, minlength=num_bins).double()
+        bin_accepted += torch.bincount(bins, weights=(greedy_draft == greedy_target)[batch.valid].double(),
+                                       minlength=num_bins)
     per_slot = {name: (sums[name] / sums["blocks"].clamp(min=1)).tolist() for name in ("oov", "t0", "t1")}
+    by_top1 = [{"top1": [top1_bins[i], top1_bins[i + 1]], "share": float(bin_slots[i] / bin_slots.sum()),
+                "t0": float(bin_accepted[i] / bin_slots[i]) if bin_slots[i] else None} for i in range(num_bins)]
     return {**per_slot, "tau_t0": implied_block_tau(per_slot["t0"]), "tau_t1": implied_block_tau(per_slot["t1"]),
-            "blocks": int(sums["blocks"][0])}
+            "blocks": int(sums["blocks"][0]), "by_target_top1": by_top1}
 
 
 def main() -> None:
@@ -147,6 +164,9 @@ def main() -> None:
                 print(f"{label:24s} {domain}: oov(slot 1) {figures['oov'][0]:.3f}  t0 {figures['t0'][0]:.3f}  "
                       f"t1 {figures['t1'][0]:.3f}  implied tau T=0 {figures['tau_t0']:.3f}  T=1 {figures['tau_t1']:.3f}",
                       flush=True)
+                print("    target top-1 bin: share / t0  " + "  ".join(
+                    f"[{b['top1'][0]:.1f},{b['top1'][1]:.1f}) {b['share']:.2f}/{b['t0'] or 0:.2f}"
+                    for b in figures["by_target_top1"]), flush=True)
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(result, indent=2) + "\n")  # after each variant: a stop keeps what ran
 
