@@ -13,7 +13,10 @@ fp32. `auto` picks bf16 where the hardware has it. Throughput is reported in blo
 block = one anchor's gamma draft slots; the target features of a sequence are shared by all
 its anchors).
 
-The target is frozen and never runs here: its features come from the cache (`data.py`).
+A run starts from the target's last layers, or from a trained drafter's weights (fine-tuning:
+`starting_drafter`, `train --init-from`); a resumed run keeps the architecture and draft
+vocabulary it started with. The target is frozen and never runs here: its features come from
+the cache (`data.py`).
 A run folder holds `drafter/` (`config.json` + `model.safetensors`, loadable at any time),
 `state/` (what resuming needs, exactly; this machine's), `state-compact/` (the same with
 AdamW's moments shrunk: what the repository keeps, see `run_state.py`) and `train_log.jsonl`
