@@ -97,15 +97,14 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
             greedy_target = target_logits.argmax(-1)
             top1 = (target_logits.max(-1).values - target_logits.logsumexp(-1)).exp()  # the target's p(greedy token)
             greedy_draft = drafter.draft_vocab[logits.argmax(-1)]
-        valid = batch.valid.double()
+        valid, accepted = batch.valid.double(), greedy_draft == greedy_target
         outside = drafter.to_draft[greedy_target] == drafter.draft_vocab.numel()
-        for name, value in (("oov", outside), ("t0", greedy_draft == greedy_target), ("t1", (1 - 0.5 * l1).clamp(0, 1))):
+        for name, value in (("oov", outside), ("t0", accepted), ("t1", (1 - 0.5 * l1).clamp(0, 1))):
             sums[name] += (value.double() * valid).sum((0, 1))
         sums["blocks"] += valid.sum((0, 1))
         bins = torch.bucketize(top1, torch.tensor(top1_bins[1:-1]), right=True)[batch.valid]  # [slots]: bin [a, b)
         bin_slots += torch.bincount(bins, minlength=num_bins).double()
-        bin_accepted += torch.bincount(bins, weights=(greedy_draft == greedy_target)[batch.valid].double(),
-                                       minlength=num_bins)
+        bin_accepted += torch.bincount(bins, weights=accepted[batch.valid].double(), minlength=num_bins)
     per_slot = {name: (sums[name] / sums["blocks"].clamp(min=1)).tolist() for name in ("oov", "t0", "t1")}
     by_top1 = [{"top1": [top1_bins[i], top1_bins[i + 1]], "share": float(bin_slots[i] / bin_slots.sum()),
                 "t0": float(bin_accepted[i] / bin_slots[i]) if bin_slots[i] else None} for i in range(num_bins)]

@@ -102,11 +102,17 @@ def read_drafter(spec: str | os.PathLike, target: LoadedTarget) -> tuple[Drafter
     return config, state
 
 
-def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
-    config, state = read_drafter(spec, target)
-    drafter = build_drafter(config, state["draft_vocab"])
+def load_stored_weights(drafter: DrafterBase, state: dict[str, torch.Tensor], spec: str | os.PathLike) -> None:
+    """`read_drafter`'s weights (fp16 or fp32 as stored) into `drafter`, in fp32; weights of another
+    shape than the drafter's config are a `ModelLoadError` naming the checkpoint `spec`."""
     try:
         drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     except RuntimeError as exc:
         raise ModelLoadError(f"drafter {str(spec)!r}: its weights do not match its config.json: {exc}") from None
+
+
+def load_drafter(spec: str | os.PathLike, target: LoadedTarget) -> DrafterBase:
+    config, state = read_drafter(spec, target)
+    drafter = build_drafter(config, state["draft_vocab"])
+    load_stored_weights(drafter, state, spec)
     return drafter.attach_target(target.model).eval().requires_grad_(False)

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.drafter import DrafterBase
 from dspark_trt.models.drafter_config import DrafterConfig
-from dspark_trt.models.drafter_io import build_drafter, read_drafter, save_drafter
+from dspark_trt.models.drafter_io import build_drafter, load_stored_weights, read_drafter, save_drafter
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
@@ -244,18 +244,14 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
     saved = load_run_state(run_dir)
     if saved is not None:
         check_same_drafter(saved[0].get("drafter_config"), drafter_config)
-    if saved is not None and "drafter.draft_vocab" in saved[1]:
         # A resumed run keeps the vocabulary it started with (its LM-head rows and id maps are built
         # from it here), whatever the data given now would choose.
-        draft_vocab = saved[1]["drafter.draft_vocab"]
+        draft_vocab = saved[1].get("drafter.draft_vocab", draft_vocab)
     drafter = build_drafter(drafter_config, draft_vocab).attach_target(target.model)
     if saved is None and initial_weights is not None:
         if not torch.equal(initial_weights["draft_vocab"], draft_vocab):
             raise DsparkError("initial_weights: their draft vocabulary is not the one given to train with")
-        try:
-            drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in initial_weights.items()})
-        except RuntimeError as exc:
-            raise DsparkError(f"--init-from {config.init_from}: its weights do not fit its config.json: {exc}") from None
+        load_stored_weights(drafter, initial_weights, config.init_from)
     elif config.init_from_target:
         drafter.init_layers_from_target(target.model)
     drafter.to(device)
