@@ -185,3 +185,27 @@ def test_draft_vocab_reach_widens_a_drafter_without_changing_what_it_drafted(tin
         assert inside > 0 and b["share"] == pytest.approx(inside / len(top1), abs=1e-6)
     pooled = float((torch.tensor(figures["t0"], dtype=torch.float64) * per_slot).sum() / per_slot.sum())
     assert sum(b["share"] * (b["t0"] or 0.0) for b in bins) == pytest.approx(pooled, abs=1e-9)
+    # each bin's slot-1 / slots-2+ and copy / other cells partition its slots and its acceptances
+    for b in bins:
+        groups = [g for g in (b["slot1"], b["slots2plus"]) if g["slots"]]
+        assert sum(g["slots"] for g in groups) == round(b["share"] * len(top1))
+        accepted = sum(g["slots"] * (g["copy_share"] * (g["t0_copy"] or 0.0)
+                                     + (1 - g["copy_share"]) * (g["t0_other"] or 0.0)) for g in groups)
+        assert accepted == pytest.approx(b["t0"] * b["share"] * len(top1), abs=1e-6)
+    assert sum(b["slot1"]["slots"] for b in bins) == int(per_slot[0])  # slot 1's cells hold slot 1's slots
+
+
+def test_context_copies_finds_the_pairs_the_context_holds_before_the_anchor():
+    """A slot is a context copy when (its previous token, the target's token) occurred as tokens
+    j, j + 1 with j before the block's anchor position, not at or after it."""
+    import types
+
+    import torch
+    from draft_vocab_reach import context_copies
+
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 4, 5, 0]])
+    batch = types.SimpleNamespace(tokens=tokens, block_positions=torch.tensor([[3, 4, 4, 5, 6, 7]]),  # anchors 3, 4, 6
+                                  previous_tokens=torch.tensor([[[4, 5], [5, 4], [5, 0]]]))
+    greedy = torch.tensor([[[5, 4], [4, 5], [4, 9]]])
+    # (4, 5) first at j = 3: not before anchor 3, before anchor 4; (5, 4) first at j = 4: before anchor 6 only
+    assert context_copies(batch, greedy).tolist() == [[[False, False], [False, True], [True, False]]]

@@ -21,6 +21,12 @@ and slot, this measures:
   top-1 probability, bins `TOP1_BINS`): each bin's share of the slots and the drafter's greedy
   acceptance within it. It separates a domain whose target is less predictable (more slots in
   the low bins) from a drafter that predicts that domain worse (lower acceptance in the same bin).
+  Within each bin, slot 1 and slots 2+ apart, the slots are split by whether the target's greedy
+  token is a *context copy*: the pair (previous token, greedy token) already occurs in the
+  block's visible context (`context_copies`), which an attention layer can complete by finding
+  the previous token's earlier occurrence (an induction match). DSpark's backbone knows the
+  previous token at slot 1 only (the anchor); at slots 2+ only its prefix layer does, and that
+  layer does not attend to the context.
 `--widen N` also measures the same drafter with its vocabulary widened to N tokens at inference,
 without training: the next most frequent tokens of `--data` and `--vocab-data` are appended, their
 LM-head rows are the target's, the Markov head's bias for them is zero and, as the previous token,
@@ -69,6 +75,27 @@ def widened(drafter, target_model, extra_tokens: list[int], size: int):
     return wide.attach_target(target_model).eval().requires_grad_(False)  # the LM-head rows of the new tokens
 
 
+def context_copies(batch, greedy_target):
+    """`[S, A, gamma]` bool: whether slot k's greedy target token follows its previous token
+    (x_{k-1}, the true one: teacher-forced) at some earlier position j of the row with j < p, the
+    block's anchor position, i.e. where the drafter sees the target's features (context < p)."""
+    import torch
+
+    S, A, G = greedy_target.shape
+    anchor_positions = batch.block_positions[:, ::G].tolist()  # [S][A]
+    previous, greedy = batch.previous_tokens.tolist(), greedy_target.tolist()
+    copies = torch.zeros(S, A, G, dtype=torch.bool)
+    for s in range(S):
+        tokens = batch.tokens[s].tolist()
+        first_seen: dict[tuple[int, int], int] = {}  # (token j, token j + 1) -> the first such j
+        for j in range(len(tokens) - 1):
+            first_seen.setdefault((tokens[j], tokens[j + 1]), j)
+        for a in range(A):
+            for k in range(G):
+                copies[s, a, k] = first_seen.get((previous[s][a][k], greedy[s][a][k]), 1 << 62) < anchor_positions[s][a]
+    return copies
+
+
 def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_norm, eps: float, full_head,
             top1_bins: tuple[float, ...] = TOP1_BINS) -> dict:
     """Per-slot oov / t0 / t1 over the sequences, with the same seeded anchors for every drafter,
@@ -85,6 +112,8 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
     sums = {name: torch.zeros(c.block_size, dtype=torch.float64) for name in ("oov", "t0", "t1", "blocks")}
     num_bins = len(top1_bins) - 1
     bin_slots, bin_accepted = torch.zeros(num_bins, dtype=torch.float64), torch.zeros(num_bins, dtype=torch.float64)
+    # [bin, slot group (1, 2+), copy (no, yes)]: slots and greedy acceptances
+    cell_slots, cell_accepted = (torch.zeros(num_bins, 2, 2, dtype=torch.float64) for _ in range(2))
     for start in tqdm(range(0, len(sequences), rows_per_batch), leave=False, unit="batch"):
         batch = make_batch(sequences[start : start + rows_per_batch], anchors, c.block_size, len(c.feature_layers),
                            c.hidden_size, generator)
@@ -105,9 +134,24 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
         bins = torch.bucketize(top1, torch.tensor(top1_bins[1:-1]), right=True)[batch.valid]  # [slots]: bin [a, b)
         bin_slots += torch.bincount(bins, minlength=num_bins).double()
         bin_accepted += torch.bincount(bins, weights=accepted[batch.valid].double(), minlength=num_bins)
+        later = (torch.arange(c.block_size) > 0).expand_as(batch.valid)[batch.valid].long()
+        copy = context_copies(batch, greedy_target)[batch.valid].long()
+        cells = (bins * 2 + later) * 2 + copy
+        cell_slots += torch.bincount(cells, minlength=num_bins * 4).double().view(num_bins, 2, 2)
+        cell_accepted += torch.bincount(cells, weights=accepted[batch.valid].double(),
+                                        minlength=num_bins * 4).view(num_bins, 2, 2)
     per_slot = {name: (sums[name] / sums["blocks"].clamp(min=1)).tolist() for name in ("oov", "t0", "t1")}
+    def rate(accepted, slots):
+        return float(accepted / slots) if slots else None
+
+    def copy_split(i: int, group: int) -> dict:
+        slots, accepted = cell_slots[i, group], cell_accepted[i, group]
+        return {"slots": int(slots.sum()), "copy_share": rate(slots[1], slots.sum()),
+                "t0_copy": rate(accepted[1], slots[1]), "t0_other": rate(accepted[0], slots[0])}
+
     by_top1 = [{"top1": [top1_bins[i], top1_bins[i + 1]], "share": float(bin_slots[i] / bin_slots.sum()),
-                "t0": float(bin_accepted[i] / bin_slots[i]) if bin_slots[i] else None} for i in range(num_bins)]
+                "t0": rate(bin_accepted[i], bin_slots[i]),
+                "slot1": copy_split(i, 0), "slots2plus": copy_split(i, 1)} for i in range(num_bins)]
     return {**per_slot, "tau_t0": implied_block_tau(per_slot["t0"]), "tau_t1": implied_block_tau(per_slot["t1"]),
             "blocks": int(sums["blocks"][0]), "by_target_top1": by_top1}
 
