@@ -46,6 +46,28 @@ Variants:
                   `losses.draft_logits` now computes) with the same parameters under other names
                   (`head_in`, `head_layer`, ...); `runs/dspark-prefix-layer` continues it.
 
+  prefix-context  (a probe of the slots the target is sure of, at block size 7, with the prefix
+                  layer) the prefix layer also attends to the target's context, as EAGLE-3-style's
+                  layer does, through its own key/value projection of each layer's `attn_norm` of
+                  the fused context (no new parameters). Why: DSpark loses to EAGLE-3-style where
+                  the target is sure of its token (docs/drafters.md), typically a token repeated
+                  from the context after the token just drafted (a number from the question, a
+                  name from the code). Finding where x_{k-1} occurred in the context needs a query
+                  that knows x_{k-1}: the backbone's does not (its slots read the mask embedding)
+                  and the prefix layer's does but sees only its own block. Training only: the
+                  proposer and exporters do not give the prefix layer the context.
+
+  context-tokens  (a probe of context copies, at block size 7, with the prefix layer) each context
+                  entry also carries the token that followed it: position t's fused state gets
+                  + Z norm(E[x_{t+1}]) (Z zero at the start, so training starts as the base run;
+                  x_{t+1} is known for every visible position t < p, up to the anchor). Why: held
+                  out, DSpark loses to EAGLE-3-style only where the target's greedy token is a
+                  context copy (the pair (x_{k-1}, token) occurred before the anchor), at slot 1
+                  as well as later (`draft_vocab_reach.py`, `context_copy_acceptance.json`).
+                  EAGLE-3-style's context entries hold the tokens themselves, E[x_t] beside
+                  f_{t-1}; DSpark's hold the target's features only, in which a token first seen
+                  in the prompt is not predicted at its own position. Training only.
+
 context-norm won (0.415, MTP-1's level) and is now the drafter's `context_norm` (`dspark-trt train
 --context-norm`, the default for new runs), which the runtime, the C kernels and the exporters
 follow; the probes and `runs/dspark-context-norm` were run through a patch here that did the
@@ -56,7 +78,8 @@ import sys
 
 from dspark_trt.training import losses
 
-VARIANTS = ("no-confidence", "context-norm", "gated-markov", "block-causal", "prefix-forced", "layer-head")
+VARIANTS = ("no-confidence", "context-norm", "gated-markov", "block-causal", "prefix-forced", "layer-head",
+            "prefix-context", "context-tokens")
 
 
 def patch_no_confidence():
@@ -117,6 +140,72 @@ def patch_prefix_forced():
     losses.draft_logits = draft_logits
 
 
+def patch_prefix_context():
+    """Training only: `PrefixLayer.teacher_forced` attends to the block's visible context too.
+    The context's keys/values are made where the backbone's are (`context_keys_values`) and
+    handed to the prefix layer on the drafter; its checkpoints have the base prefix layer's
+    parameters, so they load anywhere, but drafting elsewhere would not give it the context."""
+    from dspark_trt.models import drafter as drafter_module
+
+    original_context_keys_values = drafter_module.DSparkDrafter.context_keys_values
+
+    def context_keys_values(self, context, positions):
+        per_layer = original_context_keys_values(self, context, positions)
+        if self.prefix is not None:
+            layer = self.prefix.layer
+            cos, sin = drafter_module.rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+            self.prefix.context_kv = layer.keys_values(layer.attn_norm(context), cos, sin)
+        return per_layer
+
+    def teacher_forced(self, hidden, previous_embedding, cos, sin, anchor_positions, block_size):
+        u = self._inputs(hidden, previous_embedding)
+        keys, values = self.__dict__.pop("context_kv")  # made for this batch; never reused
+        visibility = drafter_module.BlockVisibility(anchor_positions, block_size, causal=True)
+        return self.out(self.norm(self.layer(u, cos, sin, keys, values, visibility)))
+
+    drafter_module.DSparkDrafter.context_keys_values = context_keys_values
+    drafter_module.PrefixLayer.teacher_forced = teacher_forced
+
+
+def patch_context_tokens():
+    """Training only: `fuse_features` adds `Z rms(E[x_{t+1}])` to position t's fused state. The
+    batch's tokens reach it through `draft_logits`, which sets them on the drafter for its call.
+    Z and the norm are created without drawing random numbers, so the base run's weights and
+    batches are unchanged; their checkpoints carry `context_token*`, which nothing else loads."""
+    import torch
+    from torch import nn
+
+    from dspark_trt.models import drafter as drafter_module
+
+    original_init = drafter_module.DSparkDrafter.__init__
+    original_fuse = drafter_module.DSparkDrafter.fuse_features
+    original_draft_logits = losses.draft_logits
+
+    def __init__(self, config, draft_vocab):
+        original_init(self, config, draft_vocab)
+        d = config.hidden_size
+        self.context_token_norm = drafter_module.RMSNorm(d, config.rms_norm_eps)
+        self.context_token = nn.Parameter(torch.zeros(d, d))
+
+    def fuse_features(self, features):
+        fused = original_fuse(self, features)  # [S, C, d]
+        next_tokens = self.__dict__.get("next_tokens")  # [S, C]: x_{t+1} for position t
+        if next_tokens is None:
+            return fused
+        return fused + self.context_token_norm(self.embed[next_tokens].to(fused.dtype)) @ self.context_token.t()
+
+    def draft_logits(drafter, batch):
+        drafter.next_tokens = batch.tokens[:, 1 : batch.context_features.shape[1] + 1]
+        try:
+            return original_draft_logits(drafter, batch)
+        finally:
+            del drafter.next_tokens
+
+    drafter_module.DSparkDrafter.__init__ = __init__
+    drafter_module.DSparkDrafter.fuse_features = fuse_features
+    losses.draft_logits = draft_logits
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or argv[0] != "--variant" or argv[1] not in VARIANTS:
         sys.exit(f"usage: dspark_variant_ab.py --variant {{{','.join(VARIANTS)}}} train [dspark-trt train options]")
@@ -128,11 +217,16 @@ def main(argv: list[str]) -> None:
         patch_block_causal()
     if argv[1] == "prefix-forced":
         patch_prefix_forced()
+    if argv[1] == "prefix-context":
+        patch_prefix_context()
+    if argv[1] == "context-tokens":
+        patch_context_tokens()
     from dspark_trt.cli import main as cli_main  # after the patch, which it must see
 
     # context-norm is built in now (`DrafterConfig.context_norm`): the variant is the flag
     flags = ["--context-norm"] if argv[1] != "no-confidence" else []
-    cli_main(argv[2:] + flags + (["--prefix-layer"] if argv[1] == "layer-head" else []))
+    with_prefix_layer = argv[1] in ("layer-head", "prefix-context", "context-tokens")
+    cli_main(argv[2:] + flags + (["--prefix-layer"] if with_prefix_layer else []))
 
 
 if __name__ == "__main__":
