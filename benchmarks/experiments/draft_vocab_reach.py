@@ -92,14 +92,16 @@ def context_copies(batch, greedy_target):
             first_seen.setdefault((tokens[j], tokens[j + 1]), j)
         for a in range(A):
             for k in range(G):
-                copies[s, a, k] = first_seen.get((previous[s][a][k], greedy[s][a][k]), 1 << 62) < anchor_positions[s][a]
+                j = first_seen.get((previous[s][a][k], greedy[s][a][k]))
+                copies[s, a, k] = j is not None and j < anchor_positions[s][a]
     return copies
 
 
 def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_norm, eps: float, full_head,
             top1_bins: tuple[float, ...] = TOP1_BINS) -> dict:
     """Per-slot oov / t0 / t1 over the sequences, with the same seeded anchors for every drafter,
-    and greedy acceptance by the target's top-1 probability (bins [a, b) with edges `top1_bins`)."""
+    and greedy acceptance by the target's top-1 probability (bins [a, b) with edges `top1_bins`),
+    each bin split into slot 1 / slots 2+ and, within those, context copies / the other slots."""
     import torch
     from tqdm import tqdm
 
@@ -141,6 +143,7 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
         cell_accepted += torch.bincount(cells, weights=accepted[batch.valid].double(),
                                         minlength=num_bins * 4).view(num_bins, 2, 2)
     per_slot = {name: (sums[name] / sums["blocks"].clamp(min=1)).tolist() for name in ("oov", "t0", "t1")}
+
     def rate(accepted, slots):
         return float(accepted / slots) if slots else None
 
