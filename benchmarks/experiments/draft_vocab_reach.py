@@ -113,8 +113,7 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
     generator = torch.Generator().manual_seed(0)
     sums = {name: torch.zeros(c.block_size, dtype=torch.float64) for name in ("oov", "t0", "t1", "blocks")}
     num_bins = len(top1_bins) - 1
-    bin_slots, bin_accepted = torch.zeros(num_bins, dtype=torch.float64), torch.zeros(num_bins, dtype=torch.float64)
-    # [bin, slot group (1, 2+), copy (no, yes)]: slots and greedy acceptances
+    # [bin, slot group (1, 2+), copy (no, yes)]: slots and greedy acceptances (a bin's are their sums)
     cell_slots, cell_accepted = (torch.zeros(num_bins, 2, 2, dtype=torch.float64) for _ in range(2))
     for start in tqdm(range(0, len(sequences), rows_per_batch), leave=False, unit="batch"):
         batch = make_batch(sequences[start : start + rows_per_batch], anchors, c.block_size, len(c.feature_layers),
@@ -134,8 +133,6 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
             sums[name] += (value.double() * valid).sum((0, 1))
         sums["blocks"] += valid.sum((0, 1))
         bins = torch.bucketize(top1, torch.tensor(top1_bins[1:-1]), right=True)[batch.valid]  # [slots]: bin [a, b)
-        bin_slots += torch.bincount(bins, minlength=num_bins).double()
-        bin_accepted += torch.bincount(bins, weights=accepted[batch.valid].double(), minlength=num_bins)
         later = (torch.arange(c.block_size) > 0).expand_as(batch.valid)[batch.valid].long()
         copy = context_copies(batch, greedy_target)[batch.valid].long()
         cells = (bins * 2 + later) * 2 + copy
@@ -143,6 +140,8 @@ def measure(drafter, sequences, anchors: int, rows_per_batch: int, target_final_
         cell_accepted += torch.bincount(cells, weights=accepted[batch.valid].double(),
                                         minlength=num_bins * 4).view(num_bins, 2, 2)
     per_slot = {name: (sums[name] / sums["blocks"].clamp(min=1)).tolist() for name in ("oov", "t0", "t1")}
+
+    bin_slots, bin_accepted = cell_slots.sum((1, 2)), cell_accepted.sum((1, 2))
 
     def rate(accepted, slots):
         return float(accepted / slots) if slots else None

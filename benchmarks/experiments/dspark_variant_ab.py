@@ -142,18 +142,18 @@ def patch_prefix_forced():
 
 def patch_prefix_context():
     """Training only: `PrefixLayer.teacher_forced` attends to the block's visible context too.
-    The context's keys/values are made where the backbone's are (`context_keys_values`) and
-    handed to the prefix layer on the drafter; its checkpoints have the base prefix layer's
-    parameters, so they load anywhere, but drafting elsewhere would not give it the context."""
+    The context's keys/values are made where the backbone's are (`context_keys_values_at`, with
+    its RoPE rows) and handed to the prefix layer on the drafter; its checkpoints have the base
+    prefix layer's parameters, so they load anywhere, but drafting elsewhere would not give it
+    the context."""
     from dspark_trt.models import drafter as drafter_module
 
-    original_context_keys_values = drafter_module.DSparkDrafter.context_keys_values
+    original_context_keys_values_at = drafter_module.DSparkDrafter.context_keys_values_at
 
-    def context_keys_values(self, context, positions):
-        per_layer = original_context_keys_values(self, context, positions)
+    def context_keys_values_at(self, context, cos, sin):
+        per_layer = original_context_keys_values_at(self, context, cos, sin)
         if self.prefix is not None:
             layer = self.prefix.layer
-            cos, sin = drafter_module.rope_tables(positions, self.config.head_dim, self.config.rope_theta)
             self.prefix.context_kv = layer.keys_values(layer.attn_norm(context), cos, sin)
         return per_layer
 
@@ -163,7 +163,7 @@ def patch_prefix_context():
         visibility = drafter_module.BlockVisibility(anchor_positions, block_size, causal=True)
         return self.out(self.norm(self.layer(u, cos, sin, keys, values, visibility)))
 
-    drafter_module.DSparkDrafter.context_keys_values = context_keys_values
+    drafter_module.DSparkDrafter.context_keys_values_at = context_keys_values_at
     drafter_module.PrefixLayer.teacher_forced = teacher_forced
 
 
