@@ -298,12 +298,19 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
               help="datagen JSONL (repeatable, as for `train`); only the held-out rows (5%, by id) are used.")
 @click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--target", default="default", show_default=True)
+@click.option("--copy-ngram", type=click.IntRange(0, 8), default=4, show_default=True,
+              help="Fit a copy bias over n-grams up to this length first (DSpark/DFlash drafters; 0 = none, "
+                   "and drop any the drafter has).")
+@click.option("--copy-rows", type=click.IntRange(1), default=240, show_default=True,
+              help="Held-out rows the copy bias is fitted on (spread over all of them; ~7 MB of memory each).")
 @features_dtype_option
-def calibrate(drafter_path, data_paths, features_dir, target, features_dtype):
-    """Fit sequential temperature scaling (STS) of the confidence head on held-out data."""
+def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_rows, features_dtype):
+    """Fit the copy bias (how strongly a DSpark/DFlash drafter leans toward tokens that followed the
+    same n-gram earlier in the request) and then sequential temperature scaling (STS) of the
+    confidence head, both on held-out data (5% of rows, by id)."""
     from dspark_trt.models.drafter_io import load_drafter, resave_drafter
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.calibrate import collect_confidences, fit_sts
+    from dspark_trt.training.calibrate import collect_confidences, fit_copy_bias, fit_sts
     from dspark_trt.training.data import ensure_features, features_target, load_sequences, read_datasets
     from dspark_trt.training.trainer import is_held_out
 
@@ -313,11 +320,25 @@ def calibrate(drafter_path, data_paths, features_dir, target, features_dtype):
     if not rows:
         raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no held-out rows", param_hint="--data")
     ensure_features(features_target(loaded, target, features_dtype), rows, features_dir, drafter.config.feature_layers)
-    logits, accepted = collect_confidences(drafter, load_sequences(rows, features_dir),
-                                           loaded.model.final_norm.detach(), loaded.config.rms_norm_eps)
+    sequences = load_sequences(rows, features_dir)
+    final_norm, eps = loaded.model.final_norm.detach(), loaded.config.rms_norm_eps
+    copy_report = None
+    drafter.config.copy_bias = []
+    if copy_ngram and drafter.config.kind in ("dspark", "dflash"):
+        spread = sequences[:: max(1, len(sequences) // copy_rows)][:copy_rows]
+        copy_report = fit_copy_bias(drafter, spread, final_norm, eps, copy_ngram)
+        drafter.config.copy_bias = copy_report.alpha
+        click.echo(f"copy bias over n-grams up to {copy_ngram}, fitted on {copy_report.num_blocks} blocks of "
+                   f"{len(spread)} rows; mean acceptance per slot (T=1) without -> with it:")
+        click.echo("  " + "  ".join(f"{b:.3f}->{a:.3f}" for b, a in
+                                    zip(copy_report.acceptance_before, copy_report.acceptance_after)))
+    elif copy_ngram:
+        click.echo(f"no copy bias: a {drafter.config.kind} drafter drafts without one")
+    logits, accepted = collect_confidences(drafter, sequences, final_norm, eps)
     report = fit_sts(logits, accepted)
     drafter.config.confidence_temperatures = report.temperatures
-    report_json = json.dumps({"num_blocks": int(logits.shape[0]), "num_rows": len(rows), **vars(report)}, indent=2)
+    report_json = json.dumps({"num_blocks": int(logits.shape[0]), "num_rows": len(rows), **vars(report),
+                              "copy_bias": None if copy_report is None else vars(copy_report)}, indent=2)
     extra = {"calibration.json": report_json + "\n"}
     card = Path(drafter_path) / "MODEL_CARD.md"
     if card.is_file():  # keep the card truthful: it was written before calibration
@@ -325,7 +346,8 @@ def calibrate(drafter_path, data_paths, features_dir, target, features_dtype):
         ece = (f"mean ECE {sum(report.ece_before) / len(report.ece_before):.3f} -> "
                f"{sum(report.ece_after) / len(report.ece_after):.3f}")
         extra["MODEL_CARD.md"] = "\n".join(
-            f"- calibration (STS temperatures): {temperatures} ({ece}, see calibration.json)."
+            f"- calibration (STS temperatures): {temperatures} ({ece}, see calibration.json)"
+            + (f"; copy bias over n-grams up to {copy_ngram}." if copy_report else ".")
             if line.startswith("- calibration (STS temperatures):") else line
             for line in card.read_text().splitlines()) + "\n"
     resave_drafter(drafter, drafter_path, extra_files=extra)

@@ -382,3 +382,21 @@ def test_default_config_resolves_to_the_committed_drafter_folder():
 
     target, drafter = resolve_specs(load_build_config("default"))
     assert target == "default" and drafter == str(DEFAULT_DRAFTER_DIR) and Path(drafter).is_dir()
+
+
+def test_a_drafter_with_a_copy_bias_builds_without_it_and_says_so(tmp_path):
+    """The copy bias reads the request's tokens, which the stateless drafter graph is not given:
+    the build leaves it out of the graphs (validated against the drafter without it), says so,
+    and records it in the manifest; the copied checkpoint keeps it for the PyTorch proposer."""
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_drafter_folder(), drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**config, "copy_bias": [[3.0, 5.0]] * config["block_size"]}))
+    output = tmp_path / "engines"
+    result = CliRunner().invoke(main, ["build", "tiny", "--output", str(output), "--set", f"drafter={drafter}",
+                                       "--set", "profile.measure=false"])
+    assert result.exit_code == 0, result.output
+    assert "copy bias is left out" in result.output
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["drafter"]["copy_ngram_outside_graphs"] == 2 and all(manifest["validation"].values())
+    assert json.loads((output / "drafter" / "config.json").read_text())["copy_bias"] == [[3.0, 5.0]] * config["block_size"]

@@ -356,22 +356,34 @@ def test_draft_linear_inference_path_equals_the_training_path():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("head, options", [("markov", {}), ("rnn", {}), ("markov", PREFIX)])
+COPY = {"copy_bias": [[2.5, 1.0, 4.0]] * 4, "vocab_size": 8192}  # one row per slot of the tiny block (4)
+
+
+@pytest.mark.parametrize("head, options", [("markov", {}), ("rnn", {}), ("markov", PREFIX), ("markov", COPY),
+                                           ("markov", {"prefix_layer": True, **COPY})])
 def test_dspark_proposer_drafts_what_training_trains(target, dataset, head, options):
     """The proposer's block (every slot's distribution and confidence) equals the training
     forward's at the same anchor, teacher-forced on the tokens the proposer drew: context
     positions, RoPE, masks and the sequential head's state (and the prefix layer's, slot by slot
     against all slots at once) agree between the two paths, so what the loss optimises is what
-    decoding gets."""
+    decoding gets. With a copy bias, the proposer's lookup (a `CopyIndex` grown token by token,
+    the block's own draft tokens included) must add what the training path's batch lookup adds."""
     from dspark_trt.runtime.dspark_proposer import DSparkProposer
     from dspark_trt.runtime.request import Request
     from dspark_trt.training.data import Sequence
+    from dspark_trt.training.losses import copy_candidates_of
 
     _, sequences = dataset
     seq = next(s for s in sequences if s.token_ids.numel() >= s.prompt_length + 12)
     drafter = make_drafter(target, head=head, **options).eval()
     gamma, width = drafter.config.block_size, len(FEATURE_LAYERS) * target.config.hidden_size
     p = seq.prompt_length + 3  # the pending token's position: the block's anchor
+    if "copy_bias" in options:  # an anchor the context continued before with a draft-vocabulary token: slot 1 copies
+        from dspark_trt.models.copy_bias import copy_candidates
+
+        ids = seq.token_ids.tolist()
+        in_vocab = [q for q in range(p, len(ids) - gamma - 1) if copy_candidates(ids, [q], 1)[0][0] >= 0]
+        p = next(q for q in in_vocab if drafter.to_draft[copy_candidates(ids, [q], 1)[0][0]] < 8192)
     request = Request("r", seq.token_ids[: seq.prompt_length].tolist(), SamplingParams(temperature=1.0),
                       torch.Generator().manual_seed(0))
     request.output_token_ids = seq.token_ids[seq.prompt_length : p + 1].tolist()
@@ -392,6 +404,8 @@ def test_dspark_proposer_drafts_what_training_trains(target, dataset, head, opti
     drafted = draft.probs[:, drafter.draft_vocab]  # [gamma, V_d]
     assert torch.allclose(drafted, trained, atol=1e-5)
     assert torch.allclose(draft.confidences, torch.sigmoid(confidence[0, a]), atol=1e-5)
+    if "copy_bias" in options:  # the bias was there to be matched: some slot of the block has a candidate
+        assert (copy_candidates_of(drafter, batch, 3)[0, a] >= 0).any()
 
 
 def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):

@@ -267,10 +267,10 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     data.write_text("".join(json.dumps({**row, "id": row_id}) + "\n" for row, row_id in zip(rows, held_out_ids)))
     save_drafter(make_drafter(target), tmp_path / "drafter")
 
-    def calibrate(features_dtype):
+    def calibrate(features_dtype, *more):
         return CliRunner().invoke(main, ["calibrate", "--drafter", str(tmp_path / "drafter"), "--data", str(data),
                                          "--features-dir", str(tmp_path / "features"), "--target", str(tiny_llama),
-                                         "--features-dtype", features_dtype])
+                                         "--features-dtype", features_dtype, *more])
 
     result = calibrate("bfloat16")
     assert result.exit_code == 0, result.output
@@ -278,7 +278,15 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     assert len(list((tmp_path / "features").glob("*.npz"))) == len(rows)
     report = json.loads((tmp_path / "drafter" / "calibration.json").read_text())
     assert report["num_rows"] == len(rows) and report["num_blocks"] > 0
-    assert len(load_drafter(tmp_path / "drafter", target).config.confidence_temperatures) == 4  # one per slot
+    calibrated = load_drafter(tmp_path / "drafter", target).config
+    assert len(calibrated.confidence_temperatures) == 4  # one per slot
+    # The copy bias is fitted first (one weight per slot and n-gram length, 4 by default), and reported.
+    assert calibrated.copy_ngram == 4 and len(calibrated.copy_bias) == 4
+    assert report["copy_bias"]["alpha"] == calibrated.copy_bias and report["copy_bias"]["num_blocks"] > 0
+
+    dropped = calibrate("bfloat16", "--copy-ngram", "0")
+    assert dropped.exit_code == 0, dropped.output
+    assert load_drafter(tmp_path / "drafter", target).config.copy_bias == []  # 0: none, and the old one dropped
 
     refused = calibrate("float32")
     assert refused.exit_code != 0 and "--features-dtype" in refused.output

@@ -187,6 +187,11 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
         target_spec, drafter_spec = resolve_specs(config)
         target, drafter = load_models(config, target_spec, drafter_spec)
         feature_layers = tuple(drafter.config.feature_layers) if drafter is not None else ()
+        copy_ngram = drafter.config.copy_ngram if drafter is not None else 0
+        if copy_ngram:  # its lookup reads the request's tokens, which the stateless graph is not given
+            progress("note: the drafter's copy bias is left out of the ONNX/TensorRT graphs, which draft without it "
+                     "(verification stays exact; only acceptance is lower); the PyTorch proposer keeps it")
+            drafter.config.copy_bias = []  # what the graphs compute is then what the build validates them against
 
     onnx_dir, report_dir = staging / "onnx", staging / "validation"
     onnx_dir.mkdir()
@@ -253,7 +258,7 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
                              "block_size": c.block_size, "feature_layers": list(c.feature_layers),
                              "draft_vocab_size": int(drafter.draft_vocab.numel()), "confidence": c.confidence,
                              "calibrated": bool(c.confidence_temperatures), "num_layers": c.num_layers,
-                             "prefix_layer": c.prefix_layer,
+                             "prefix_layer": c.prefix_layer, "copy_ngram_outside_graphs": copy_ngram,
                              "sequential_head": "SequentialDraft plugin" if plugin else "standard ops"}
         trtllm = None
         if fmt == "trtllm":

@@ -52,6 +52,9 @@ class DrafterConfig:
     draft_vocab_size: int = 8192  # most frequent target tokens the drafter can propose (0 = all)
     # calibration (STS): one temperature per block position for the confidence logit
     confidence_temperatures: list[float] = field(default_factory=list)
+    # copy bias (`models/copy_bias.py`): alpha[k][n - 1] added to slot k's logit of the token that
+    # followed the last n tokens earlier in the request; empty = off. Fitted by `calibrate`.
+    copy_bias: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self):
         self.feature_layers = tuple(self.feature_layers)
@@ -63,6 +66,18 @@ class DrafterConfig:
             raise ModelLoadError(f"prefix_layer is a DSpark drafter's part, not a {self.kind} drafter's")
         if self.block_size < 1:
             raise ModelLoadError(f"block_size must be >= 1, got {self.block_size}")
+        if self.copy_bias:
+            if self.kind not in ("dspark", "dflash"):
+                raise ModelLoadError(f"copy_bias is drafted with by the DSpark/DFlash proposer, not a {self.kind} drafter")
+            widths = {len(row) for row in self.copy_bias}
+            if len(self.copy_bias) != self.block_size or len(widths) != 1 or 0 in widths:
+                raise ModelLoadError(f"copy_bias must be {self.block_size} rows (one per slot) of one equal, "
+                                     f"non-zero length (one weight per n-gram length), got {self.copy_bias}")
+
+    @property
+    def copy_ngram(self) -> int:
+        """The longest n-gram the copy bias looks up (0: no copy bias)."""
+        return len(self.copy_bias[0]) if self.copy_bias else 0
 
     @property
     def hidden_size(self) -> int:

@@ -12,6 +12,8 @@ requests' blocks are drafted in one batched backbone pass:
     for k in 1..gamma:                      # the sequential head, left to right, batched over N
         p_k = softmax((U_k + B(x_{k-1})) / T)    x_k = argmax p_k  (T = 0)  or  x_k ~ p_k
         (with a prefix layer, U_k also gets + U(PrefixLayer.step(h_k, x_{k-1}, slots < k)))
+        (with a copy bias, U_k also gets + alpha[k, n] on the token that followed the last n
+         tokens earlier in the request: `models/copy_bias.py`, one `CopyIndex` per request)
     c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
 
 With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex
 from dspark_trt.models.drafter import DSparkDrafter, MarkovHead
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
@@ -179,6 +182,8 @@ class DSparkProposer(Proposer):
         self.pool = ContextPool(len(drafter.layers), config.num_kv_heads, config.head_dim)
         self.queued: dict[str, list[torch.Tensor]] = {}  # request id -> features not yet in the pool
         self.markov_rows = MarkovRows(drafter) if isinstance(drafter.sequential, MarkovHead) else None
+        self.copy_indexes: dict[str, CopyIndex] = {}  # request id -> its n-gram lookup (with a copy bias)
+        self.to_draft = drafter.to_draft.tolist()  # list lookups: the copy bias reads a few per request and slot
 
     def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """B_k `[N, V_d]` (or None without a head) and the RNN state; a Markov head's from its table."""
@@ -202,6 +207,23 @@ class DSparkProposer(Proposer):
     def release(self, request: Request) -> None:
         self.pool.release(request.request_id)
         self.queued.pop(request.request_id, None)
+        self.copy_indexes.pop(request.request_id, None)
+
+    def _copy_bias(self, requests: list[Request]) -> BlockCopyBias | None:
+        """This block's copy bias (None without one), each request's lookup brought up to its
+        committed tokens (prompt, then output: the pending token last)."""
+        config = self.drafter.config
+        if not config.copy_bias:
+            return None
+        indexes = []
+        for request in requests:
+            index = self.copy_indexes.setdefault(request.request_id, CopyIndex(config.copy_ngram))
+            have, prompt = len(index.tokens), request.prompt_token_ids
+            if have < len(prompt):
+                index.extend(prompt[have:])
+            index.extend(request.output_token_ids[max(have - len(prompt), 0) :])
+            indexes.append(index)
+        return BlockCopyBias(config.copy_bias, indexes, self.to_draft, self.drafter.draft_vocab.numel())
 
     @torch.inference_mode()
     def _catch_up(self, requests: list[Request]) -> None:
@@ -306,6 +328,7 @@ class DSparkProposer(Proposer):
             lengths = torch.tensor([self.pool.lengths[s] for s in slots])
             cos_table, sin_table = drafter.rope_table(int(lengths.max()) + gamma)
         prefix_cache, previous_tokens = None, anchors  # the prefix layer's keys/values; target ids of x_{k-1}
+        copy_bias = self._copy_bias(requests)
         chosen, distributions, state = [], [], None
         for k in range(gamma):
             bias, state = self._head_bias(hidden[:, k], previous, state)
@@ -318,10 +341,14 @@ class DSparkProposer(Proposer):
                     hidden[:, k], drafter.embed[previous_tokens], cos_table[rows][:, None, None],
                     sin_table[rows][:, None, None], prefix_cache)
                 logits.add_(drafter.lm_head_logits(correction))
+            if copy_bias is not None:
+                copy_bias.add_to(logits, k)
             choice, probs = draw_tokens(logits, requests)
             chosen.append(choice)
             distributions.append(probs)
             previous, previous_tokens = choice, drafter.draft_vocab[choice]
+            if copy_bias is not None:
+                copy_bias.advance(previous_tokens.tolist())
         draft_ids = torch.stack(chosen, 1)  # [N, gamma]
         previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.

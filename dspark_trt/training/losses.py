@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dspark_trt.models.copy_bias import batch_copy_candidates, dense_copy_bias
 from dspark_trt.models.drafter import BlockVisibility, DrafterBase, rope_tables
 from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.target import rms_norm
@@ -62,7 +63,19 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
         corrected = hidden + drafter.prefix.teacher_forced(hidden, previous, cos, sin, visibility.anchor_positions, G)
     logits = drafter.backbone_logits(corrected.view(S, A, G, -1))
     bias, confidence = drafter.teacher_forced_heads(hidden.view(S, A, G, -1), drafter.to_draft[batch.previous_tokens])
-    return (logits if bias is None else logits + bias), confidence
+    logits = logits if bias is None else logits + bias
+    if drafter.config.copy_bias:
+        alpha = torch.tensor(drafter.config.copy_bias, dtype=logits.dtype, device=logits.device)
+        logits = logits + dense_copy_bias(alpha, copy_candidates_of(drafter, batch, alpha.shape[1]), logits.shape[-1])
+    return logits, confidence
+
+
+def copy_candidates_of(drafter: DrafterBase, batch: Batch, max_ngram: int) -> torch.Tensor:
+    """Teacher-forced copy candidates `[S, A, gamma, max_ngram]` (draft ids) of the batch's slots, on its device."""
+    S, A, G = batch.labels.shape
+    previous_positions = batch.block_positions.view(S, A, G).cpu()  # slot k's previous token sits at p + k - 1
+    found = batch_copy_candidates(batch.tokens.cpu(), previous_positions, drafter.to_draft.cpu(), max_ngram)
+    return found.to(batch.tokens.device)
 
 
 def target_probs_on_draft_vocab(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Tensor,

@@ -1,0 +1,152 @@
+"""The copy bias: a nudge, in the draft logits, toward the token that followed the same n-gram
+earlier in the request (prompt lookup, as a bias on a learned drafter rather than a drafter).
+
+DSpark's backbone sees the target's features of the context, not its tokens, and it loses to
+EAGLE-3-style drafters on exactly the slots where the target repeats the context ("context
+copies", `benchmarks/experiments/draft_vocab_reach.py`). So slot k's logits get
+
+    z_k(y) = U_k(y) + B_k(y) + sum_n alpha[k, n] * [y == c_n]        n = 1 .. max_ngram
+
+where c_n is the token that followed the most recent earlier occurrence of the last n tokens
+before slot k (the request's tokens up to the anchor, then the block's tokens before k). alpha
+`[gamma, max_ngram]` is fitted by `dspark-trt calibrate` (`fit_copy_bias`, the training loss's
+total variation to the target) and stored in the drafter's config.
+
+Why it stays lossless: c_n is a function of tokens before slot k only, and the bias is added
+before the softmax, so p_k is still an exact distribution the draft token is drawn from, and
+rejection sampling against the target stays exact (the same argument as the Markov head's B_k).
+
+This module owns the lookup (`copy_candidates` for teacher-forced batches, `CopyIndex` for a
+request in the step loop; tests check they agree) and turning candidates into a bias. It does
+not own where the bias is added (`training.losses.draft_logits`, `runtime.dspark_proposer`) or
+the fit (`training.calibrate`).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import torch
+
+NO_CANDIDATE = -1
+
+
+def copy_candidates(tokens: list[int], queries: list[int], max_ngram: int) -> list[list[int]]:
+    """For each query position q: `[c_1 .. c_N]`, c_n the token after the most recent j < q whose
+    n tokens ending at j equal the n tokens ending at q (NO_CANDIDATE where there is none)."""
+    ends: list[dict[tuple, list[int]]] = [{} for _ in range(max_ngram)]  # per n: n-gram -> its end positions
+    for j in range(len(tokens)):
+        for n in range(1, min(max_ngram, j + 1) + 1):
+            ends[n - 1].setdefault(tuple(tokens[j - n + 1 : j + 1]), []).append(j)
+    found = []
+    for q in queries:
+        row = []
+        for n in range(1, max_ngram + 1):
+            positions = ends[n - 1].get(tuple(tokens[q - n + 1 : q + 1])) if q - n + 1 >= 0 else None
+            before = bisect_left(positions, q) - 1 if positions else -1
+            row.append(tokens[positions[before] + 1] if before >= 0 else NO_CANDIDATE)
+        found.append(row)
+    return found
+
+
+def batch_copy_candidates(tokens: torch.Tensor, previous_positions: torch.Tensor, to_draft: torch.Tensor,
+                          max_ngram: int) -> torch.Tensor:
+    """Teacher-forced candidates of a training batch, in draft-vocabulary ids.
+
+    tokens `[S, L]` (each row's tokens), previous_positions `[S, A, gamma]` (where slot k's previous
+    token sits: p + k - 1 for anchor p) -> `[S, A, gamma, max_ngram]`, NO_CANDIDATE where there is
+    none or it lies outside the draft vocabulary (which `to_draft` maps to its size).
+    """
+    S, A, G = previous_positions.shape
+    vocab_size = int(to_draft.max())
+    out = torch.full((S, A, G, max_ngram), NO_CANDIDATE, dtype=torch.long)
+    for s in range(S):
+        queries = previous_positions[s].reshape(-1).tolist()
+        found = torch.tensor(copy_candidates(tokens[s].tolist(), queries, max_ngram)).view(A, G, max_ngram)
+        draft = to_draft[found.clamp(min=0)]
+        out[s] = torch.where((found != NO_CANDIDATE) & (draft < vocab_size), draft, NO_CANDIDATE)
+    return out
+
+
+def dense_copy_bias(alpha: torch.Tensor, candidates: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """alpha `[gamma, N]`, candidates `[..., gamma, N]` -> the bias `[..., gamma, vocab_size]`
+    (two n-grams naming the same token add up)."""
+    present = candidates != NO_CANDIDATE
+    weights = alpha.expand(candidates.shape) * present
+    bias = torch.zeros(*candidates.shape[:-1], vocab_size + 1, dtype=weights.dtype, device=weights.device)
+    bias.scatter_add_(-1, torch.where(present, candidates, vocab_size), weights)  # absent ones land in a spare column
+    return bias[..., :vocab_size]
+
+
+class CopyIndex:
+    """One request's lookup in the step loop: for every n-gram of its committed tokens, the token
+    that followed its latest occurrence, kept up to date as tokens are committed (`extend`).
+
+    `candidates(tail, block)` answers what `copy_candidates` answers at the position of the last
+    token of `tail`, where `tail` is the committed tokens followed by the block's draft tokens so
+    far (only its last `max_ngram` tokens are read) and `block` holds the pairs the draft tokens
+    made (`block_pairs`): they are newer than any committed occurrence, so they win.
+    """
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.followers: list[dict[tuple, int]] = [{} for _ in range(max_ngram)]
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append committed tokens: each one is the follower of the n-grams ending just before it."""
+        for token in tokens:
+            end = len(self.tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.followers[n - 1][tuple(self.tokens[end - n : end])] = token
+            self.tokens.append(token)
+
+    def candidates(self, tail: list[int], block: list[dict[tuple, int]] | None = None) -> list[int]:
+        found = []
+        for n in range(1, self.max_ngram + 1):
+            if len(tail) < n:
+                found.append(NO_CANDIDATE)
+                continue
+            key = tuple(tail[-n:])
+            newer = block[n - 1].get(key) if block else None
+            found.append(newer if newer is not None else self.followers[n - 1].get(key, NO_CANDIDATE))
+        return found
+
+    def block_pairs(self) -> list[dict[tuple, int]]:
+        """An empty record of the pairs one block's draft tokens make (`add_block_pair`)."""
+        return [{} for _ in range(self.max_ngram)]
+
+    def add_block_pair(self, block: list[dict[tuple, int]], tail: list[int], token: int) -> None:
+        """Record that `token` followed the n-grams ending `tail` (inside this block only)."""
+        for n in range(1, min(self.max_ngram, len(tail)) + 1):
+            block[n - 1][tuple(tail[-n:])] = token
+
+
+class BlockCopyBias:
+    """The copy bias of one batched block draft (the proposer's loop over slots k):
+    `add_to(logits, k)` before slot k is drawn, `advance(tokens)` after."""
+
+    def __init__(self, alpha: list[list[float]], indexes: list[CopyIndex], to_draft: list[int], vocab_size: int):
+        self.alpha, self.indexes, self.to_draft, self.vocab_size = alpha, indexes, to_draft, vocab_size
+        self.tails = [index.tokens[-index.max_ngram :] for index in indexes]  # target ids up to x_{k-1}
+        self.blocks = [index.block_pairs() for index in indexes]
+
+    def add_to(self, logits: torch.Tensor, k: int) -> None:
+        """logits `[N, V_d]` of slot k (0-based), in place."""
+        rows, columns, weights = [], [], []
+        for row, (index, tail, block) in enumerate(zip(self.indexes, self.tails, self.blocks)):
+            for n, token in enumerate(index.candidates(tail, block)):
+                column = self.to_draft[token] if token != NO_CANDIDATE else self.vocab_size
+                if column < self.vocab_size:
+                    rows.append(row)
+                    columns.append(column)
+                    weights.append(self.alpha[k][n])
+        if rows:
+            logits.index_put_((torch.tensor(rows), torch.tensor(columns)),
+                              torch.tensor(weights, dtype=logits.dtype), accumulate=True)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Slot k drew `tokens` (target ids, one per request): later slots may copy after them."""
+        for i, (index, token) in enumerate(zip(self.indexes, tokens)):
+            index.add_block_pair(self.blocks[i], self.tails[i], token)
+            self.tails[i] = (self.tails[i] + [token])[-index.max_ngram :]
