@@ -306,42 +306,58 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
 @features_dtype_option
 def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_rows, features_dtype):
     """Fit the copy bias (how strongly a DSpark/DFlash drafter leans toward tokens that followed the
-    same n-gram earlier in the request) and then sequential temperature scaling (STS) of the
-    confidence head, both on held-out data (5% of rows, by id)."""
+    same n-gram earlier in the request, and what having such a candidate says about a slot's
+    confidence), then sequential temperature scaling (STS) of the confidence head, all on
+    held-out data (5% of rows, by id)."""
+    import torch
+
+    from dspark_trt.models.copy_bias import confidence_offset
     from dspark_trt.models.drafter_io import load_drafter, resave_drafter
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.calibrate import collect_confidences, fit_copy_bias, fit_sts
+    from dspark_trt.training.calibrate import collect_confidences, fit_copy_bias, fit_copy_confidence, fit_sts
     from dspark_trt.training.data import ensure_features, features_target, load_sequences, read_datasets
     from dspark_trt.training.trainer import is_held_out
 
     loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
     drafter = load_drafter(drafter_path, loaded)
+    config = drafter.config
+    if drafter.confidence is None and not (copy_ngram and config.kind in ("dspark", "dflash")):
+        raise click.UsageError(f"a {config.kind} drafter has no confidence head to calibrate and no copy bias to fit")
     rows = [r for r in read_datasets(data_paths) if is_held_out(r["id"])]
     if not rows:
         raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no held-out rows", param_hint="--data")
-    ensure_features(features_target(loaded, target, features_dtype), rows, features_dir, drafter.config.feature_layers)
+    ensure_features(features_target(loaded, target, features_dtype), rows, features_dir, config.feature_layers)
     sequences = load_sequences(rows, features_dir)
     final_norm, eps = loaded.model.final_norm.detach(), loaded.config.rms_norm_eps
+
     copy_report = None
-    drafter.config.copy_bias = []
-    if copy_ngram and drafter.config.kind in ("dspark", "dflash"):
+    config.copy_bias, config.copy_confidence = [], []
+    if copy_ngram and config.kind in ("dspark", "dflash"):
         spread = sequences[:: max(1, len(sequences) // copy_rows)][:copy_rows]
         copy_report = fit_copy_bias(drafter, spread, final_norm, eps, copy_ngram)
-        drafter.config.copy_bias = copy_report.alpha
+        config.copy_bias = copy_report.alpha
         click.echo(f"copy bias over n-grams up to {copy_ngram}, fitted on {copy_report.num_blocks} blocks of "
                    f"{len(spread)} rows; mean acceptance per slot (T=1) without -> with it:")
         click.echo("  " + "  ".join(f"{b:.3f}->{a:.3f}" for b, a in
                                     zip(copy_report.acceptance_before, copy_report.acceptance_after)))
     elif copy_ngram:
-        click.echo(f"no copy bias: a {drafter.config.kind} drafter drafts without one")
-    logits, accepted = collect_confidences(drafter, sequences, final_norm, eps)
-    report = fit_sts(logits, accepted)
-    drafter.config.confidence_temperatures = report.temperatures
-    report_json = json.dumps({"num_blocks": int(logits.shape[0]), "num_rows": len(rows), **vars(report),
+        click.echo(f"no copy bias: a {config.kind} drafter drafts without one")
+
+    report, num_blocks = None, 0
+    if drafter.confidence is not None:
+        logits, accepted, candidates = collect_confidences(drafter, sequences, final_norm, eps)
+        num_blocks = int(logits.shape[0])
+        if candidates is not None:  # the confidence learns what having a copy candidate says about acceptance
+            copy_report.confidence_auc_without = fit_sts(logits, accepted).auc
+            config.copy_confidence = copy_report.confidence = fit_copy_confidence(logits, accepted, candidates)
+            logits = logits + confidence_offset(torch.tensor(config.copy_confidence), candidates)
+        report = fit_sts(logits, accepted)
+        config.confidence_temperatures = report.temperatures
+    report_json = json.dumps({"num_blocks": num_blocks, "num_rows": len(rows), **(vars(report) if report else {}),
                               "copy_bias": None if copy_report is None else vars(copy_report)}, indent=2)
     extra = {"calibration.json": report_json + "\n"}
     card = Path(drafter_path) / "MODEL_CARD.md"
-    if card.is_file():  # keep the card truthful: it was written before calibration
+    if card.is_file() and report is not None:  # keep the card truthful: it was written before calibration
         temperatures = ", ".join(f"{t:.2f}" for t in report.temperatures)
         ece = (f"mean ECE {sum(report.ece_before) / len(report.ece_before):.3f} -> "
                f"{sum(report.ece_after) / len(report.ece_after):.3f}")
@@ -351,10 +367,13 @@ def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_r
             if line.startswith("- calibration (STS temperatures):") else line
             for line in card.read_text().splitlines()) + "\n"
     resave_drafter(drafter, drafter_path, extra_files=extra)
-    click.echo(f"{logits.shape[0]} held-out blocks from {len(rows)} rows")
-    click.echo("position  temperature  ECE before  ECE after  AUC")
+    if report is None:
+        return
+    click.echo(f"{num_blocks} held-out blocks from {len(rows)} rows")
+    click.echo("position  temperature  ECE before  ECE after  AUC" + ("  (AUC without copy offsets)" if copy_report else ""))
     for k, (t, b, a, u) in enumerate(zip(report.temperatures, report.ece_before, report.ece_after, report.auc), 1):
-        click.echo(f"{k:8d}  {t:11.2f}  {b:10.4f}  {a:9.4f}  {u:.3f}")
+        plain = f"  ({copy_report.confidence_auc_without[k - 1]:.3f})" if copy_report else ""
+        click.echo(f"{k:8d}  {t:11.2f}  {b:10.4f}  {a:9.4f}  {u:.3f}{plain}")
 
 
 @main.command("eval")

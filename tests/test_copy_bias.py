@@ -84,12 +84,15 @@ def test_block_copy_bias_adds_the_fitted_weights_to_each_requests_row():
     assert logits.tolist() == [[2.0 + 20.0, 0, 0, 0, 0, 0], [0, 0, 2.0, 0, 0, 0]]
 
 
-def test_config_refuses_a_copy_bias_of_the_wrong_shape_or_kind():
+def test_config_refuses_a_copy_bias_or_confidence_offsets_of_the_wrong_shape_or_kind():
     base = dict(block_size=2, kind="dspark")
     assert DrafterConfig(**base, copy_bias=[[1.0, 2.0], [3.0, 4.0]]).copy_ngram == 2
     assert DrafterConfig(**base).copy_ngram == 0
     for bad in ([[1.0, 2.0]], [[1.0, 2.0], [3.0]], [[], []]):
         with pytest.raises(ModelLoadError, match="copy_bias must be 2 rows"):
             DrafterConfig(**base, copy_bias=bad)
+    for bad in ([[1.0, 2.0], [3.0, 4.0]], [[1.0], [2.0]]):  # without a copy bias; not its shape
+        with pytest.raises(ModelLoadError, match="copy_confidence must have copy_bias's shape"):
+            DrafterConfig(**base, copy_bias=[[1.0, 2.0]] * 2 if len(bad[0]) == 1 else [], copy_confidence=bad)
     with pytest.raises(ModelLoadError, match="not a eagle3 drafter"):
         DrafterConfig(kind="eagle3", block_size=2, copy_bias=[[1.0], [1.0]])

@@ -356,7 +356,8 @@ def test_draft_linear_inference_path_equals_the_training_path():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
-COPY = {"copy_bias": [[2.5, 1.0, 4.0]] * 4, "vocab_size": 8192}  # one row per slot of the tiny block (4)
+COPY = {"copy_bias": [[2.5, 1.0, 4.0]] * 4, "copy_confidence": [[0.5, -1.0, 2.0]] * 4,  # a row per slot (4)
+        "vocab_size": 8192}
 
 
 @pytest.mark.parametrize("head, options", [("markov", {}), ("rnn", {}), ("markov", PREFIX), ("markov", COPY),

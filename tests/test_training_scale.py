@@ -283,10 +283,12 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     # The copy bias is fitted first (one weight per slot and n-gram length, 4 by default), and reported.
     assert calibrated.copy_ngram == 4 and len(calibrated.copy_bias) == 4
     assert report["copy_bias"]["alpha"] == calibrated.copy_bias and report["copy_bias"]["num_blocks"] > 0
+    assert report["copy_bias"]["confidence"] == calibrated.copy_confidence and len(calibrated.copy_confidence) == 4
 
     dropped = calibrate("bfloat16", "--copy-ngram", "0")
     assert dropped.exit_code == 0, dropped.output
-    assert load_drafter(tmp_path / "drafter", target).config.copy_bias == []  # 0: none, and the old one dropped
+    dropped_config = load_drafter(tmp_path / "drafter", target).config
+    assert dropped_config.copy_bias == [] == dropped_config.copy_confidence  # 0: none, and the old ones dropped
 
     refused = calibrate("float32")
     assert refused.exit_code != 0 and "--features-dtype" in refused.output

@@ -78,6 +78,13 @@ def dense_copy_bias(alpha: torch.Tensor, candidates: torch.Tensor, vocab_size: i
     return bias[..., :vocab_size]
 
 
+def confidence_offset(beta: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """beta `[gamma, N]`, candidates `[..., gamma, N]` -> the confidence-logit offset `[..., gamma]`:
+    beta[k, n] for each n-gram length with a candidate at slot k (known before x_k is drawn, so
+    the scheduler's admission still does not depend on x_k)."""
+    return ((candidates != NO_CANDIDATE).to(beta.dtype) * beta).sum(-1)
+
+
 class CopyIndex:
     """One request's lookup in the step loop: for every n-gram of its committed tokens, the token
     that followed its latest occurrence, kept up to date as tokens are committed (`extend`).
@@ -130,10 +137,11 @@ class BlockCopyBias:
         self.alpha, self.indexes, self.to_draft, self.vocab_size = alpha, indexes, to_draft, vocab_size
         self.tails = [index.tokens[-index.max_ngram :] for index in indexes]  # target ids up to x_{k-1}
         self.blocks = [index.block_pairs() for index in indexes]
+        self.found: list[list[int]] = []  # per slot drafted so far: [N * max_ngram] draft ids or NO_CANDIDATE
 
     def add_to(self, logits: torch.Tensor, k: int) -> None:
         """logits `[N, V_d]` of slot k (0-based), in place."""
-        rows, columns, weights = [], [], []
+        rows, columns, weights, found = [], [], [], []
         for row, (index, tail, block) in enumerate(zip(self.indexes, self.tails, self.blocks)):
             for n, token in enumerate(index.candidates(tail, block)):
                 column = self.to_draft[token] if token != NO_CANDIDATE else self.vocab_size
@@ -141,9 +149,16 @@ class BlockCopyBias:
                     rows.append(row)
                     columns.append(column)
                     weights.append(self.alpha[k][n])
+                found.append(column if column < self.vocab_size else NO_CANDIDATE)
+        self.found.append(found)
         if rows:
             logits.index_put_((torch.tensor(rows), torch.tensor(columns)),
                               torch.tensor(weights, dtype=logits.dtype), accumulate=True)
+
+    def candidates(self) -> torch.Tensor:
+        """`[N, slots drafted, max_ngram]`: what `batch_copy_candidates` gives teacher-forced on the drafted tokens."""
+        found = torch.tensor(self.found)  # [slots, N * max_ngram]
+        return found.view(len(self.found), len(self.indexes), -1).transpose(0, 1)
 
     def advance(self, tokens: list[int]) -> None:
         """Slot k drew `tokens` (target ids, one per request): later slots may copy after them."""

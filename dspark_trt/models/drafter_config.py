@@ -55,6 +55,9 @@ class DrafterConfig:
     # copy bias (`models/copy_bias.py`): alpha[k][n - 1] added to slot k's logit of the token that
     # followed the last n tokens earlier in the request; empty = off. Fitted by `calibrate`.
     copy_bias: list[list[float]] = field(default_factory=list)
+    # beta[k][n - 1] added to slot k's confidence logit (before its STS temperature) when the copy
+    # lookup has an n-gram candidate there: whether one exists is known before x_k is drawn.
+    copy_confidence: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self):
         self.feature_layers = tuple(self.feature_layers)
@@ -73,6 +76,10 @@ class DrafterConfig:
             if len(self.copy_bias) != self.block_size or len(widths) != 1 or 0 in widths:
                 raise ModelLoadError(f"copy_bias must be {self.block_size} rows (one per slot) of one equal, "
                                      f"non-zero length (one weight per n-gram length), got {self.copy_bias}")
+        if self.copy_confidence and (not self.copy_bias or [len(r) for r in self.copy_confidence]
+                                     != [len(r) for r in self.copy_bias]):
+            raise ModelLoadError(f"copy_confidence must have copy_bias's shape ({len(self.copy_bias)} rows of "
+                                 f"{self.copy_ngram}), got {self.copy_confidence}")
 
     @property
     def copy_ngram(self) -> int:

@@ -14,7 +14,7 @@ requests' blocks are drafted in one batched backbone pass:
         (with a prefix layer, U_k also gets + U(PrefixLayer.step(h_k, x_{k-1}, slots < k)))
         (with a copy bias, U_k also gets + alpha[k, n] on the token that followed the last n
          tokens earlier in the request: `models/copy_bias.py`, one `CopyIndex` per request)
-    c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
+    c = confidence(h, x_{0..gamma-1})  (+ beta[k, n] where slot k had an n-gram copy candidate)  [N, gamma]
 
 With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM
 head) are one C call each (`_kernel_context`, `_kernel_backbone`), tested against the PyTorch
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex
+from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex, confidence_offset
 from dspark_trt.models.drafter import DSparkDrafter, MarkovHead
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
@@ -353,6 +353,9 @@ class DSparkProposer(Proposer):
         previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
         confidence = drafter.confidence_logits(hidden, previous_ids)
+        if confidence is not None and drafter.config.copy_confidence:  # whether slot k had copy candidates
+            beta = torch.tensor(drafter.config.copy_confidence, dtype=confidence.dtype)
+            confidence = confidence + confidence_offset(beta, copy_bias.candidates())
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
         tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
         sampled = distributions[0] is not None  # any request samples: every position has distributions
