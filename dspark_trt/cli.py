@@ -302,13 +302,13 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
               help="Fit a copy bias over n-grams up to this length first (DSpark/DFlash drafters; 0 = none, "
                    "and drop any the drafter has).")
 @click.option("--copy-rows", type=click.IntRange(1), default=240, show_default=True,
-              help="Held-out rows the copy bias is fitted on (spread over all of them; ~7 MB of memory each).")
+              help="Training rows (not held out) the copy bias is fitted on, spread over them all (~7 MB of memory each).")
 @features_dtype_option
 def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_rows, features_dtype):
     """Fit the copy bias (how strongly a DSpark/DFlash drafter leans toward tokens that followed the
-    same n-gram earlier in the request, and what having such a candidate says about a slot's
-    confidence), then sequential temperature scaling (STS) of the confidence head, all on
-    held-out data (5% of rows, by id)."""
+    same n-gram earlier in the request; fitted on training rows), then what having such a
+    candidate says about a slot's confidence and sequential temperature scaling (STS) of the
+    confidence head (both on the held-out rows: 5% of rows, by id)."""
     import torch
 
     from dspark_trt.models.copy_bias import confidence_offset
@@ -323,21 +323,31 @@ def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_r
     config = drafter.config
     if drafter.confidence is None and not (copy_ngram and config.kind in ("dspark", "dflash")):
         raise click.UsageError(f"a {config.kind} drafter has no confidence head to calibrate and no copy bias to fit")
-    rows = [r for r in read_datasets(data_paths) if is_held_out(r["id"])]
+    every_row = read_datasets(data_paths)
+    rows = [r for r in every_row if is_held_out(r["id"])]
     if not rows:
         raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no held-out rows", param_hint="--data")
-    ensure_features(features_target(loaded, target, features_dtype), rows, features_dir, config.feature_layers)
+    fits_copy_bias = bool(copy_ngram) and config.kind in ("dspark", "dflash")
+    # The copy bias changes what is drafted, as training does: it is fitted on training rows (spread
+    # over all of them), so that the held-out rows still measure the drafter unseen.
+    training = [r for r in every_row if not is_held_out(r["id"])] if fits_copy_bias else []
+    copy_fit_rows = training[:: max(1, len(training) // copy_rows)][:copy_rows]
+    ensure_features(features_target(loaded, target, features_dtype), rows + copy_fit_rows, features_dir,
+                    config.feature_layers)
     sequences = load_sequences(rows, features_dir)
     final_norm, eps = loaded.model.final_norm.detach(), loaded.config.rms_norm_eps
 
     copy_report = None
     config.copy_bias, config.copy_confidence = [], []
-    if copy_ngram and config.kind in ("dspark", "dflash"):
-        spread = sequences[:: max(1, len(sequences) // copy_rows)][:copy_rows]
+    if fits_copy_bias:
+        if not copy_fit_rows:
+            raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no training rows to fit the copy bias on "
+                                     "(pass --copy-ngram 0 to calibrate without one)", param_hint="--data")
+        spread = load_sequences(copy_fit_rows, features_dir)
         copy_report = fit_copy_bias(drafter, spread, final_norm, eps, copy_ngram)
         config.copy_bias = copy_report.alpha
         click.echo(f"copy bias over n-grams up to {copy_ngram}, fitted on {copy_report.num_blocks} blocks of "
-                   f"{len(spread)} rows; mean acceptance per slot (T=1) without -> with it:")
+                   f"{len(spread)} training rows; mean acceptance per slot (T=1) there without -> with it:")
         click.echo("  " + "  ".join(f"{b:.3f}->{a:.3f}" for b, a in
                                     zip(copy_report.acceptance_before, copy_report.acceptance_after)))
     elif copy_ngram:

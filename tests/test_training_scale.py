@@ -263,11 +263,15 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
 
     rows, _ = dataset
     held_out_ids = [f"held/{i}" for i in range(400) if is_held_out(f"held/{i}")][: len(rows)]
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({**row, "id": row_id}) + "\n" for row, row_id in zip(rows, held_out_ids)))
+    training_ids = [f"train/{i}" for i in range(len(rows))]  # the copy bias is fitted on these
+    assert not any(is_held_out(i) for i in training_ids)
+    data, held_out_only = tmp_path / "rows.jsonl", tmp_path / "held_out.jsonl"
+    held_out_lines = [json.dumps({**row, "id": row_id}) + "\n" for row, row_id in zip(rows, held_out_ids)]
+    data.write_text("".join(held_out_lines + [json.dumps({**row, "id": i}) + "\n" for row, i in zip(rows, training_ids)]))
+    held_out_only.write_text("".join(held_out_lines))
     save_drafter(make_drafter(target), tmp_path / "drafter")
 
-    def calibrate(features_dtype, *more):
+    def calibrate(features_dtype, *more, data=data):
         return CliRunner().invoke(main, ["calibrate", "--drafter", str(tmp_path / "drafter"), "--data", str(data),
                                          "--features-dir", str(tmp_path / "features"), "--target", str(tiny_llama),
                                          "--features-dtype", features_dtype, *more])
@@ -275,17 +279,21 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     result = calibrate("bfloat16")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "features" / "manifest.json").read_text())["dtype"] == "bfloat16"
-    assert len(list((tmp_path / "features").glob("*.npz"))) == len(rows)
+    assert len(list((tmp_path / "features").glob("*.npz"))) == 2 * len(rows)  # held-out and copy-fit rows
     report = json.loads((tmp_path / "drafter" / "calibration.json").read_text())
     assert report["num_rows"] == len(rows) and report["num_blocks"] > 0
     calibrated = load_drafter(tmp_path / "drafter", target).config
     assert len(calibrated.confidence_temperatures) == 4  # one per slot
-    # The copy bias is fitted first (one weight per slot and n-gram length, 4 by default), and reported.
+    # The copy bias is fitted first, on the training rows (one weight per slot and n-gram length, 4 by
+    # default), then the confidence's offsets for it, and both are reported.
     assert calibrated.copy_ngram == 4 and len(calibrated.copy_bias) == 4
     assert report["copy_bias"]["alpha"] == calibrated.copy_bias and report["copy_bias"]["num_blocks"] > 0
     assert report["copy_bias"]["confidence"] == calibrated.copy_confidence and len(calibrated.copy_confidence) == 4
 
-    dropped = calibrate("bfloat16", "--copy-ngram", "0")
+    no_training_rows = calibrate("bfloat16", data=held_out_only)  # nothing to fit the copy bias on: said, not guessed
+    assert no_training_rows.exit_code != 0 and "--copy-ngram 0" in no_training_rows.output
+    assert "Traceback" not in no_training_rows.output
+    dropped = calibrate("bfloat16", "--copy-ngram", "0", data=held_out_only)
     assert dropped.exit_code == 0, dropped.output
     dropped_config = load_drafter(tmp_path / "drafter", target).config
     assert dropped_config.copy_bias == [] == dropped_config.copy_confidence  # 0: none, and the old ones dropped
