@@ -306,15 +306,12 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
 @features_dtype_option
 def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_rows, features_dtype):
     """Fit the copy bias (how strongly a DSpark/DFlash drafter leans toward tokens that followed the
-    same n-gram earlier in the request; fitted on training rows), then what having such a
-    candidate says about a slot's confidence and sequential temperature scaling (STS) of the
-    confidence head (both on the held-out rows: 5% of rows, by id)."""
-    import torch
-
-    from dspark_trt.models.copy_bias import confidence_offset
+    same n-gram earlier in the request; fitted on training rows), then the confidence head's
+    offsets for what it cannot see (the draft's own top probability, copy candidates) and
+    sequential temperature scaling (STS), both on the held-out rows (5% of rows, by id)."""
     from dspark_trt.models.drafter_io import load_drafter, resave_drafter
     from dspark_trt.models.loading import load_target
-    from dspark_trt.training.calibrate import collect_confidences, fit_copy_bias, fit_copy_confidence, fit_sts
+    from dspark_trt.training.calibrate import collect_confidences, fit_confidence_offsets, fit_copy_bias, fit_sts
     from dspark_trt.training.data import ensure_features, features_target, load_sequences, read_datasets
     from dspark_trt.training.trainer import is_held_out
 
@@ -338,7 +335,7 @@ def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_r
     final_norm, eps = loaded.model.final_norm.detach(), loaded.config.rms_norm_eps
 
     copy_report = None
-    config.copy_bias, config.copy_confidence = [], []
+    config.copy_bias, config.copy_confidence, config.confidence_top_prob = [], [], []
     if fits_copy_bias:
         if not copy_fit_rows:
             raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no training rows to fit the copy bias on "
@@ -353,17 +350,20 @@ def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_r
     elif copy_ngram:
         click.echo(f"no copy bias: a {config.kind} drafter drafts without one")
 
-    report, num_blocks = None, 0
+    report, num_blocks, offsets = None, 0, None
     if drafter.confidence is not None:
-        logits, accepted, candidates = collect_confidences(drafter, sequences, final_norm, eps)
-        num_blocks = int(logits.shape[0])
-        if candidates is not None:  # the confidence learns what having a copy candidate says about acceptance
-            copy_report.confidence_auc_without = fit_sts(logits, accepted).auc
-            config.copy_confidence = copy_report.confidence = fit_copy_confidence(logits, accepted, candidates)
-            logits = logits + confidence_offset(torch.tensor(config.copy_confidence), candidates)
-        report = fit_sts(logits, accepted)
+        # The head cannot see what the copy bias and the other biases do to p_k: calibrated offsets
+        # for the draft's own top probability and for copy candidates, then STS on the sum.
+        data = collect_confidences(drafter, sequences, final_norm, eps)
+        num_blocks = int(data.logits.shape[0])
+        auc_without = fit_sts(data.logits, data.accepted).auc
+        config.confidence_top_prob, beta = fit_confidence_offsets(data)
+        config.copy_confidence = beta or []
+        offsets = {"top_prob": config.confidence_top_prob, "copy": beta, "auc_without": auc_without}
+        report = fit_sts(drafter.confidence_offsets(data.logits, data.top_prob_logits, data.candidates), data.accepted)
         config.confidence_temperatures = report.temperatures
     report_json = json.dumps({"num_blocks": num_blocks, "num_rows": len(rows), **(vars(report) if report else {}),
+                              "confidence_offsets": offsets,
                               "copy_bias": None if copy_report is None else vars(copy_report)}, indent=2)
     extra = {"calibration.json": report_json + "\n"}
     card = Path(drafter_path) / "MODEL_CARD.md"
@@ -380,10 +380,9 @@ def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_r
     if report is None:
         return
     click.echo(f"{num_blocks} held-out blocks from {len(rows)} rows")
-    click.echo("position  temperature  ECE before  ECE after  AUC" + ("  (AUC without copy offsets)" if copy_report else ""))
+    click.echo("position  temperature  ECE before  ECE after  AUC  (AUC of the head alone)")
     for k, (t, b, a, u) in enumerate(zip(report.temperatures, report.ece_before, report.ece_after, report.auc), 1):
-        plain = f"  ({copy_report.confidence_auc_without[k - 1]:.3f})" if copy_report else ""
-        click.echo(f"{k:8d}  {t:11.2f}  {b:10.4f}  {a:9.4f}  {u:.3f}{plain}")
+        click.echo(f"{k:8d}  {t:11.2f}  {b:10.4f}  {a:9.4f}  {u:.3f}  ({offsets['auc_without'][k - 1]:.3f})")
 
 
 @main.command("eval")

@@ -94,5 +94,17 @@ def test_config_refuses_a_copy_bias_or_confidence_offsets_of_the_wrong_shape_or_
     for bad in ([[1.0, 2.0], [3.0, 4.0]], [[1.0], [2.0]]):  # without a copy bias; not its shape
         with pytest.raises(ModelLoadError, match="copy_confidence must have copy_bias's shape"):
             DrafterConfig(**base, copy_bias=[[1.0, 2.0]] * 2 if len(bad[0]) == 1 else [], copy_confidence=bad)
+    with pytest.raises(ModelLoadError, match="one weight per slot"):
+        DrafterConfig(**base, confidence_top_prob=[1.0, 2.0, 3.0])
     with pytest.raises(ModelLoadError, match="not a eagle3 drafter"):
         DrafterConfig(kind="eagle3", block_size=2, copy_bias=[[1.0], [1.0]])
+
+
+def test_top_probability_logit_is_the_logit_of_the_largest_probability_and_stays_finite():
+    from dspark_trt.models.drafter import top_probability_logit
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0], [80.0, 0.0, 0.0, 0.0]])
+    top = torch.softmax(logits, -1).max(-1).values
+    got = top_probability_logit(logits)
+    assert torch.allclose(got[:2], torch.log(top[:2] / (1 - top[:2])), atol=1e-5)  # 1/4 -> log(1/3)
+    assert torch.isfinite(got[2]) and got[2] > 10  # p = 1 - 1e-34: large, not inf

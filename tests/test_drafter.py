@@ -357,7 +357,7 @@ def test_draft_linear_inference_path_equals_the_training_path():
 
 
 COPY = {"copy_bias": [[2.5, 1.0, 4.0]] * 4, "copy_confidence": [[0.5, -1.0, 2.0]] * 4,  # a row per slot (4)
-        "vocab_size": 8192}
+        "confidence_top_prob": [0.7, -0.3, 1.2, 0.5], "vocab_size": 8192}
 
 
 @pytest.mark.parametrize("head, options", [("markov", {}), ("rnn", {}), ("markov", PREFIX), ("markov", COPY),
@@ -368,7 +368,8 @@ def test_dspark_proposer_drafts_what_training_trains(target, dataset, head, opti
     positions, RoPE, masks and the sequential head's state (and the prefix layer's, slot by slot
     against all slots at once) agree between the two paths, so what the loss optimises is what
     decoding gets. With a copy bias, the proposer's lookup (a `CopyIndex` grown token by token,
-    the block's own draft tokens included) must add what the training path's batch lookup adds."""
+    the block's own draft tokens included) must add what the training path's batch lookup adds,
+    and the confidence offsets (copy candidates, the draft's top probability) must agree too."""
     from dspark_trt.runtime.dspark_proposer import DSparkProposer
     from dspark_trt.runtime.request import Request
     from dspark_trt.training.data import Sequence

@@ -285,10 +285,12 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     calibrated = load_drafter(tmp_path / "drafter", target).config
     assert len(calibrated.confidence_temperatures) == 4  # one per slot
     # The copy bias is fitted first, on the training rows (one weight per slot and n-gram length, 4 by
-    # default), then the confidence's offsets for it, and both are reported.
+    # default), then the confidence's offsets (its copy candidates, the draft's top probability), all reported.
     assert calibrated.copy_ngram == 4 and len(calibrated.copy_bias) == 4
     assert report["copy_bias"]["alpha"] == calibrated.copy_bias and report["copy_bias"]["num_blocks"] > 0
-    assert report["copy_bias"]["confidence"] == calibrated.copy_confidence and len(calibrated.copy_confidence) == 4
+    assert report["confidence_offsets"]["copy"] == calibrated.copy_confidence and len(calibrated.copy_confidence) == 4
+    assert report["confidence_offsets"]["top_prob"] == calibrated.confidence_top_prob
+    assert len(calibrated.confidence_top_prob) == 4
 
     no_training_rows = calibrate("bfloat16", data=held_out_only)  # nothing to fit the copy bias on: said, not guessed
     assert no_training_rows.exit_code != 0 and "--copy-ngram 0" in no_training_rows.output
@@ -297,6 +299,7 @@ def test_calibrate_computes_features_in_the_serving_dtype_and_names_a_mismatched
     assert dropped.exit_code == 0, dropped.output
     dropped_config = load_drafter(tmp_path / "drafter", target).config
     assert dropped_config.copy_bias == [] == dropped_config.copy_confidence  # 0: none, and the old ones dropped
+    assert len(dropped_config.confidence_top_prob) == 4  # the top-probability offset does not need a copy bias
 
     refused = calibrate("float32")
     assert refused.exit_code != 0 and "--features-dtype" in refused.output

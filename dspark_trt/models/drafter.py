@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_trt.models.copy_bias import confidence_offset
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.linear import (
     DerivedFromWeights,
@@ -45,6 +46,13 @@ from dspark_trt.models.linear import (
 )
 from dspark_trt.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from dspark_trt.models.target import rms_norm
+
+
+def top_probability_logit(logits: torch.Tensor) -> torch.Tensor:
+    """Logits `[..., V]` -> logit(max softmax probability) `[...]` in fp32, kept finite near 1."""
+    logits = logits.float()
+    log_top = (logits.max(-1).values - logits.logsumexp(-1)).clamp(max=-1e-6)
+    return log_top - torch.log1p(-log_top.exp())
 
 
 class RMSNorm(nn.Module):
@@ -502,6 +510,22 @@ class DSparkDrafter(DrafterBase):
             return torch.stack(biases, -2), confidence
         bias, _ = self.sequential_bias(hidden, previous_draft_ids)
         return bias, confidence
+
+    def confidence_offsets(self, confidence: torch.Tensor, top_prob_logits: torch.Tensor | None,
+                           copy_candidates: torch.Tensor | None) -> torch.Tensor:
+        """Confidence logits `[..., gamma]` plus what calibration learned the head cannot see: beta
+        for each n-gram length with a copy candidate (`copy_confidence`; candidates `[..., gamma, N]`)
+        and w times the logit of the draft distribution's top probability (`confidence_top_prob`;
+        `top_probability_logit` of each slot's logits, every bias added: `[..., gamma]`). Both are
+        known before x_k is drawn."""
+        config = self.config
+        if config.copy_confidence and copy_candidates is not None:
+            beta = torch.tensor(config.copy_confidence, dtype=confidence.dtype, device=confidence.device)
+            confidence = confidence + confidence_offset(beta, copy_candidates)
+        if config.confidence_top_prob:
+            weights = torch.tensor(config.confidence_top_prob, dtype=confidence.dtype, device=confidence.device)
+            confidence = confidence + weights[: confidence.shape[-1]] * top_prob_logits
+        return confidence
 
     def calibrated_confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """Confidence logits `[..., gamma]` -> probabilities, with STS temperatures when calibrated."""

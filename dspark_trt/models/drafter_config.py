@@ -58,6 +58,9 @@ class DrafterConfig:
     # beta[k][n - 1] added to slot k's confidence logit (before its STS temperature) when the copy
     # lookup has an n-gram candidate there: whether one exists is known before x_k is drawn.
     copy_confidence: list[list[float]] = field(default_factory=list)
+    # w[k]: slot k's confidence logit also gets w[k] * logit(max_y p_k(y)), the draft distribution's
+    # own top probability (known before x_k is drawn); fitted by `calibrate` with copy_confidence.
+    confidence_top_prob: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         self.feature_layers = tuple(self.feature_layers)
@@ -80,6 +83,10 @@ class DrafterConfig:
                                      != [len(r) for r in self.copy_bias]):
             raise ModelLoadError(f"copy_confidence must have copy_bias's shape ({len(self.copy_bias)} rows of "
                                  f"{self.copy_ngram}), got {self.copy_confidence}")
+
+        if self.confidence_top_prob and len(self.confidence_top_prob) != self.block_size:
+            raise ModelLoadError(f"confidence_top_prob must hold one weight per slot ({self.block_size}), "
+                                 f"got {self.confidence_top_prob}")
 
     @property
     def copy_ngram(self) -> int:

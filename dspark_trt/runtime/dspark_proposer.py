@@ -14,7 +14,8 @@ requests' blocks are drafted in one batched backbone pass:
         (with a prefix layer, U_k also gets + U(PrefixLayer.step(h_k, x_{k-1}, slots < k)))
         (with a copy bias, U_k also gets + alpha[k, n] on the token that followed the last n
          tokens earlier in the request: `models/copy_bias.py`, one `CopyIndex` per request)
-    c = confidence(h, x_{0..gamma-1})  (+ beta[k, n] where slot k had an n-gram copy candidate)  [N, gamma]
+    c = confidence(h, x_{0..gamma-1})                                              [N, gamma]
+        (+ beta[k, n] where slot k had an n-gram copy candidate, + w[k] logit(max p_k): calibrated offsets)
 
 With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM
 head) are one C call each (`_kernel_context`, `_kernel_backbone`), tested against the PyTorch
@@ -29,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex, confidence_offset
-from dspark_trt.models.drafter import DSparkDrafter, MarkovHead
+from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex
+from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, top_probability_logit
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
 from dspark_trt.runtime.request import Request
@@ -329,6 +330,7 @@ class DSparkProposer(Proposer):
             cos_table, sin_table = drafter.rope_table(int(lengths.max()) + gamma)
         prefix_cache, previous_tokens = None, anchors  # the prefix layer's keys/values; target ids of x_{k-1}
         copy_bias = self._copy_bias(requests)
+        top_prob_logits: list[torch.Tensor] = []  # [N] per slot, when the confidence reads p_k's top probability
         chosen, distributions, state = [], [], None
         for k in range(gamma):
             bias, state = self._head_bias(hidden[:, k], previous, state)
@@ -343,6 +345,8 @@ class DSparkProposer(Proposer):
                 logits.add_(drafter.lm_head_logits(correction))
             if copy_bias is not None:
                 copy_bias.add_to(logits, k)
+            if drafter.config.confidence_top_prob:  # the confidence reads p_k's top probability
+                top_prob_logits.append(top_probability_logit(logits))
             choice, probs = draw_tokens(logits, requests)
             chosen.append(choice)
             distributions.append(probs)
@@ -353,9 +357,9 @@ class DSparkProposer(Proposer):
         previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
         confidence = drafter.confidence_logits(hidden, previous_ids)
-        if confidence is not None and drafter.config.copy_confidence:  # whether slot k had copy candidates
-            beta = torch.tensor(drafter.config.copy_confidence, dtype=confidence.dtype)
-            confidence = confidence + confidence_offset(beta, copy_bias.candidates())
+        if confidence is not None:  # what calibration learned the head cannot see (all known before x_k)
+            top = torch.stack(top_prob_logits, 1) if top_prob_logits else None
+            confidence = drafter.confidence_offsets(confidence, top, copy_bias.candidates() if copy_bias else None)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
         tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
         sampled = distributions[0] is not None  # any request samples: every position has distributions

@@ -76,19 +76,28 @@ def fit_sts(logits: torch.Tensor, accepted: torch.Tensor) -> CalibrationReport:
     return CalibrationReport(temperatures, ece_before, ece_after, aucs)
 
 
+@dataclass
+class ConfidenceData:
+    logits: torch.Tensor  # [blocks, gamma] the confidence head's logits, no offsets
+    accepted: torch.Tensor  # [blocks, gamma] exact acceptance probability of each slot given its prefix
+    top_prob_logits: torch.Tensor  # [blocks, gamma] logit of each slot's draft top probability
+    candidates: torch.Tensor | None  # [blocks, gamma, N] copy candidates (draft ids), with a copy bias
+
+
 @torch.no_grad()
 def collect_confidences(drafter, sequences, target_final_norm: torch.Tensor, eps: float, anchors: int = 32,
-                        batch_size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Teacher-forced confidence logits and exact acceptance probabilities `[blocks, gamma]` of
-    every full block of held-out sequences, and with a copy bias its candidates `[blocks, gamma, N]`."""
+                        batch_size: int = 4, seed: int = 0) -> ConfidenceData:
+    """Teacher-forced confidence logits, exact acceptance probabilities and what the confidence's
+    calibrated offsets read, of every full block of held-out sequences."""
     import torch.nn.functional as F
 
     from dspark_trt.training.data import make_batch
+    from dspark_trt.models.drafter import top_probability_logit
     from dspark_trt.training.losses import copy_candidates_of, draft_logits, l1_to_target, target_probs_on_draft_vocab
 
     generator = torch.Generator().manual_seed(seed)
     config = drafter.config
-    all_logits, all_accepted, all_candidates = [], [], []
+    all_logits, all_accepted, all_candidates, all_top = [], [], [], []
     for start in range(0, len(sequences), batch_size):
         batch = make_batch(sequences[start : start + batch_size], anchors, config.block_size,
                            len(config.feature_layers), config.hidden_size, generator)
@@ -100,27 +109,33 @@ def collect_confidences(drafter, sequences, target_final_norm: torch.Tensor, eps
         full = batch.valid.all(-1)  # blocks whose every slot lies inside the sequence
         all_logits.append(confidence[full])
         all_accepted.append(accepted[full])
+        all_top.append(top_probability_logit(logits)[full])
         if config.copy_ngram:
             all_candidates.append(copy_candidates_of(drafter, batch, config.copy_ngram)[full])
-    return torch.cat(all_logits), torch.cat(all_accepted), torch.cat(all_candidates) if all_candidates else None
+    return ConfidenceData(torch.cat(all_logits), torch.cat(all_accepted), torch.cat(all_top),
+                          torch.cat(all_candidates) if all_candidates else None)
 
 
-def fit_copy_confidence(logits: torch.Tensor, accepted: torch.Tensor, candidates: torch.Tensor,
-                        steps: int = 300) -> list[list[float]]:
-    """beta `[gamma, N]` (`DrafterConfig.copy_confidence`): per slot, the confidence-logit offsets for
-    having an n-gram copy candidate that best fit the slot's acceptance (BCE, soft labels), the
-    confidence logits `[blocks, gamma]` held as they are. STS then scales the sum."""
+def fit_confidence_offsets(data: ConfidenceData, steps: int = 300) -> tuple[list[float], list[list[float]] | None]:
+    """The offsets `DrafterBase.confidence_offsets` adds to the head's logits, fitted to each slot's
+    acceptance (BCE, soft labels) with the head's logits held as they are: w `[gamma]`
+    (`confidence_top_prob`) and, with copy candidates, beta `[gamma, N]` (`copy_confidence`).
+    STS then scales the sum."""
     from dspark_trt.models.copy_bias import confidence_offset
 
-    beta = torch.zeros(candidates.shape[1:], requires_grad=True)
-    optimizer = torch.optim.Adam([beta], lr=0.05)
+    weights = torch.zeros(data.logits.shape[1], requires_grad=True)
+    beta = torch.zeros(data.candidates.shape[1:] if data.candidates is not None else (0,), requires_grad=True)
+    optimizer = torch.optim.Adam([weights, beta], lr=0.05)
     for _ in range(steps):  # full batch: a few thousand blocks x gamma, milliseconds a step
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits.float() + confidence_offset(beta, candidates), accepted.float())
+        offset = weights * data.top_prob_logits
+        if data.candidates is not None:
+            offset = offset + confidence_offset(beta, data.candidates)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(data.logits.float() + offset, data.accepted.float())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return [[round(b, 4) for b in row] for row in beta.detach().tolist()]
+    rounded = [round(w, 4) for w in weights.detach().tolist()]
+    return rounded, [[round(b, 4) for b in row] for row in beta.detach().tolist()] if data.candidates is not None else None
 
 
 @dataclass
@@ -129,8 +144,6 @@ class CopyBiasReport:
     num_blocks: int
     acceptance_before: list[float]  # per slot, mean exact acceptance (1 - L1 / 2) on the fit rows, no copy bias
     acceptance_after: list[float]  # the same with the fitted one
-    confidence: list[list[float]] | None = None  # [gamma][max_ngram]: beta, the confidence-logit offsets
-    confidence_auc_without: list[float] | None = None  # per slot, the confidence's AUC before those offsets
 
 
 def fit_copy_bias(drafter, sequences, target_final_norm: torch.Tensor, eps: float, max_ngram: int,

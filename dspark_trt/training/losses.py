@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dspark_trt.models.copy_bias import batch_copy_candidates, confidence_offset, dense_copy_bias
-from dspark_trt.models.drafter import BlockVisibility, DrafterBase, rope_tables
+from dspark_trt.models.copy_bias import batch_copy_candidates, dense_copy_bias
+from dspark_trt.models.drafter import BlockVisibility, DrafterBase, rope_tables, top_probability_logit
 from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.models.target import rms_norm
 from dspark_trt.training.data import Batch
@@ -64,14 +64,14 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
     logits = drafter.backbone_logits(corrected.view(S, A, G, -1))
     bias, confidence = drafter.teacher_forced_heads(hidden.view(S, A, G, -1), drafter.to_draft[batch.previous_tokens])
     logits = logits if bias is None else logits + bias
-    config = drafter.config
+    config, candidates = drafter.config, None
     if config.copy_bias:
         candidates = copy_candidates_of(drafter, batch, config.copy_ngram)
         alpha = torch.tensor(config.copy_bias, dtype=logits.dtype, device=logits.device)
         logits = logits + dense_copy_bias(alpha, candidates, logits.shape[-1])
-        if config.copy_confidence and confidence is not None:
-            beta = torch.tensor(config.copy_confidence, dtype=confidence.dtype, device=confidence.device)
-            confidence = confidence + confidence_offset(beta, candidates)
+    if confidence is not None:
+        top = top_probability_logit(logits) if config.confidence_top_prob else None
+        confidence = drafter.confidence_offsets(confidence, top, candidates)
     return logits, confidence
 
 
