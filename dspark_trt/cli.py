@@ -295,9 +295,11 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
 @click.option("--drafter", "drafter_path", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Drafter checkpoint folder to calibrate (updated in place).")
 @click.option("--data", "data_paths", type=click.Path(dir_okay=False, path_type=Path), required=True, multiple=True,
-              help="datagen JSONL (repeatable, as for `train`); only the held-out rows (5%, by id) are used.")
-@click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
-@click.option("--target", default="default", show_default=True)
+              help="datagen JSONL (repeatable, as for `train`): the held-out rows (5%, by id) calibrate the "
+                   "confidence; --copy-rows training rows fit the copy bias.")
+@click.option("--features-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Target feature cache, as for `train`: rows missing from it are computed and added.")
+@click.option("--target", default="default", show_default=True, help="Target model the drafter was trained for.")
 @click.option("--copy-ngram", type=click.IntRange(0, 8), default=4, show_default=True,
               help="Fit a copy bias over n-grams up to this length first (DSpark/DFlash drafters; 0 = none, "
                    "and drop any the drafter has).")
