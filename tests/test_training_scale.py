@@ -403,8 +403,9 @@ def test_a_new_run_norms_its_context_and_a_resume_keeps_what_it_started_with(tin
 def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, target, dataset, tmp_path):
     """`train --init-from DRAFTER --domain D` starts a new run from the checkpoint's weights, with its
     architecture, draft vocabulary and feature layers (none given here), on the rows of domain D
-    only, and drops its calibration: at lr 0 the fine-tuned export is the checkpoint bit for bit
-    (a run that started from the target's layers would differ); the model card says where it
+    only, and drops its confidence calibration but keeps its copy bias: at lr 0 the fine-tuned
+    export is the checkpoint bit for bit (a run that started from the target's layers would
+    differ); the model card says where it
     started and which rows it saw. An architecture option that disagrees with the checkpoint is
     refused naming the field, one that agrees is accepted, and a domain without rows is refused."""
     from click.testing import CliRunner
@@ -430,7 +431,10 @@ def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, target
     assert result.exit_code == 0, result.output
     base = tmp_path / "base" / "export"
     config = json.loads((base / "config.json").read_text())
-    (base / "config.json").write_text(json.dumps({**config, "confidence_temperatures": [0.9, 0.8, 0.7, 0.6]}))
+    calibration = {"confidence_temperatures": [0.9, 0.8, 0.7, 0.6], "copy_confidence": [[0.1, 0.2]] * 4,
+                   "confidence_top_prob": [0.3, 0.2, 0.1, 0.0]}
+    config = {**config, "copy_bias": [[1.0, 2.0]] * 4}  # what is drafted: kept, trained beside
+    (base / "config.json").write_text(json.dumps({**config, **calibration}))
 
     result = train("tuned", "--init-from", str(base), "--domain", "chat", "--lr", "0")
     assert result.exit_code == 0, result.output
@@ -441,9 +445,9 @@ def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, target
     before, after = load_file(base / "model.safetensors"), load_file(tuned / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     tuned_config = json.loads((tuned / "config.json").read_text())
-    assert tuned_config["confidence_temperatures"] == []
-    assert {k: v for k, v in tuned_config.items() if k != "confidence_temperatures"} == {
-        k: v for k, v in config.items() if k != "confidence_temperatures"}
+    assert all(tuned_config[name] == [] for name in calibration)
+    assert {k: v for k, v in tuned_config.items() if k not in calibration} == {
+        k: v for k, v in config.items() if k not in calibration}
     card = (tuned / "MODEL_CARD.md").read_text()
     assert f"anchors, fine-tuning the drafter `{base}`" in card and "(only their chat rows)" in card
 

@@ -146,7 +146,8 @@ ARCHITECTURE_OPTIONS = {"kind": "kind", "head": "head", "block_size": "block_siz
 
 def starting_drafter(spec: str, target: LoadedTarget, given: dict) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """What a fine-tuning run (`train --init-from SPEC`) starts from: the checkpoint's config, without
-    its calibration (fine-tuning moves the confidences it was fitted to), and its weights. `given`:
+    its confidence calibration (fine-tuning moves the confidences it was fitted to; a copy bias
+    stays, so the drafter learns beside it), and its weights. `given`:
     the architecture options set on the command line (names as in `ARCHITECTURE_OPTIONS`); each must
     agree with the checkpoint, since its weights mean nothing under another shape."""
     config, weights = read_drafter(spec, target)
@@ -161,7 +162,7 @@ def starting_drafter(spec: str, target: LoadedTarget, given: dict) -> tuple[Draf
         if theirs != value:
             raise DsparkError(f"--{option.replace('_', '-')} {value}: the --init-from drafter {spec!r} has "
                               f"{field_name} = {theirs!r}; leave the option out (fine-tuning keeps the architecture)")
-    config.confidence_temperatures = []
+    config.confidence_temperatures, config.copy_confidence, config.confidence_top_prob = [], [], []
     return config, weights
 
 
