@@ -1,11 +1,12 @@
-"""What the sequential head costs: DSpark drafter latency per block with and without it.
+"""What the sequential head (or the copy bias) costs: DSpark drafter latency per block with and without it.
 
 The head here is every part that runs slot by slot: the Markov (or RNN) head and, where the
 drafter has one, the prefix layer (`--prefix-layer`); without them, slots read straight from the
-backbone logits.
+backbone logits. With `--part copy-bias` the part removed is the copy bias instead (its n-gram
+lookups and the logit bias; `models/copy_bias.py`), the head staying.
 
     python benchmarks/drafter_latency.py [--drafter default] [--dataset gsm8k] [--num-prompts 5]
-                                         [--max-tokens 64]
+                                         [--max-tokens 64] [--part head|copy-bias]
 
 Decodes real prompts speculatively at batch 1, greedy. At every draft the proposer is called
 twice on the same state: once with the sequential head, once with it removed (slots read
@@ -36,6 +37,8 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/drafter_latency.json"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="target and drafter weights")
+    parser.add_argument("--part", default="head", choices=("head", "copy-bias"),
+                        help="what the variant without it lacks (the JSON's keys name it: with_head, with_copy_bias)")
     args = parser.parse_args()
 
     from dspark_trt import LLM, SamplingParams  # before torch: it sets the CPU threading policy
@@ -46,22 +49,34 @@ def main() -> int:
     proposer = llm.engine.proposer
     drafter = proposer.drafter
     head, prefix = drafter.sequential, drafter.prefix
-    propose = proposer.propose
-    times = {"with_head": [], "without_head": []}
+    propose, copy_bias = proposer.propose, proposer._copy_bias
+    if args.part == "copy-bias" and not drafter.config.copy_bias:
+        print(f"error: --part copy-bias: the drafter {args.drafter} has no copy bias (`dspark-trt calibrate`)",
+              file=sys.stderr)
+        return 2
+
+    def use_part(present: bool) -> None:
+        if args.part == "head":
+            drafter.sequential, drafter.prefix = (head, prefix) if present else (None, None)
+        else:  # a request's lookup catches up on the next call that uses it: skipping one is safe
+            proposer._copy_bias = copy_bias if present else (lambda requests: None)
+    part = args.part.replace("-", "_")
+    present, absent = f"with_{part}", f"without_{part}"
+    times = {present: [], absent: []}
 
     def timed_propose(requests):
         proposer._catch_up(requests)  # new target features: paid once, by neither variant
-        names = ["with_head", "without_head"]
-        if len(times["with_head"]) % 2:
+        names = [present, absent]
+        if len(times[present]) % 2:
             names.reverse()
         for name in names:
-            drafter.sequential, drafter.prefix = (head, prefix) if name == "with_head" else (None, None)
+            use_part(name == present)
             start = time.perf_counter()
             drafts = propose(requests)
             times[name].append(time.perf_counter() - start)
-            if name == "with_head":  # the head-less block (and its confidences) is dropped
+            if name == present:  # the block without the part (and its confidences) is dropped
                 kept_drafts = drafts
-        drafter.sequential, drafter.prefix = head, prefix
+        use_part(True)
         return kept_drafts
 
     proposer.propose = timed_propose
@@ -73,20 +88,21 @@ def main() -> int:
     def per_block(name: str) -> dict:
         return {"mean_ms": statistics.fmean(times[name]) * 1e3, "median_ms": statistics.median(times[name]) * 1e3}
 
-    with_head, without = per_block("with_head"), per_block("without_head")
+    with_part, without = per_block(present), per_block(absent)
     result = {"drafter": args.drafter, "dtype": llm.dtype, "block_size": drafter.config.block_size,
               "head": drafter.config.head, "prefix_layer": drafter.config.prefix_layer,
-              "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-              "num_blocks": len(times["with_head"]), "with_head": with_head, "without_head": without,
-              "head_overhead": with_head["mean_ms"] / without["mean_ms"] - 1,
-              "head_overhead_median": with_head["median_ms"] / without["median_ms"] - 1,
+              "part": args.part, "dataset": args.dataset, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+              "num_blocks": len(times[present]), present: with_part, absent: without,
+              f"{part}_overhead": with_part["mean_ms"] / without["mean_ms"] - 1,
+              f"{part}_overhead_median": with_part["median_ms"] / without["median_ms"] - 1,
               "torch_threads": torch.get_num_threads()}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     parts = f"{result['head']} head" + (" and prefix layer" if prefix is not None else "")
-    print(f"{result['num_blocks']} blocks of {result['block_size']}: {with_head['mean_ms']:.2f} ms mean with the "
-          f"{parts}, {without['mean_ms']:.2f} ms without: +{result['head_overhead']:.1%} "
-          f"(median +{result['head_overhead_median']:.1%})")
+    parts = "copy bias" if args.part == "copy-bias" else parts
+    print(f"{result['num_blocks']} blocks of {result['block_size']}: {with_part['mean_ms']:.2f} ms mean with the "
+          f"{parts}, {without['mean_ms']:.2f} ms without: +{result[f'{part}_overhead']:.1%} "
+          f"(median +{result[f'{part}_overhead_median']:.1%})")
     return 0
 
 
