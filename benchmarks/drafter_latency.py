@@ -9,13 +9,13 @@ lookups and the logit bias; `models/copy_bias.py`), the head staying.
                                          [--max-tokens 64] [--part head|copy-bias]
 
 Decodes real prompts speculatively at batch 1, greedy. At every draft the proposer is called
-twice on the same state: once with the sequential head, once with it removed (slots read
-straight from the backbone logits), in alternating order so that both share machine noise
-and cache warmth; the block with the head is the one decoding goes on with. Every cost of the
-head is in the figures, including computing a Markov head's bias row the first time a
-previous token is seen (`MarkovRows` in the proposer). Writes
-benchmarks/results/drafter_latency.json: mean and median per block, and the overhead of the
-head relative to the drafter without it (mean: the total cost over the run).
+twice on the same state: once with the part, once with it removed, in alternating order so
+that both share machine noise and cache warmth; the block with the part is the one decoding
+goes on with. Every cost of the part is in the figures: for the head, computing a Markov head's
+bias row the first time a previous token is seen (`MarkovRows` in the proposer); for the copy
+bias, bringing each request's n-gram index up to its committed tokens. Writes
+benchmarks/results/drafter_latency.json (or --output): mean and median per block, and the
+overhead of the part relative to the drafter without it (mean: the total cost over the run).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def main() -> int:
             drafter.sequential, drafter.prefix = (head, prefix) if present else (None, None)
         else:  # a request's lookup catches up on the next call that uses it: skipping one is safe
             proposer._copy_bias = copy_bias if present else (lambda requests: None)
+
     part = args.part.replace("-", "_")
     present, absent = f"with_{part}", f"without_{part}"
     times = {present: [], absent: []}

@@ -405,9 +405,9 @@ def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, target
     architecture, draft vocabulary and feature layers (none given here), on the rows of domain D
     only, and drops its confidence calibration but keeps its copy bias: at lr 0 the fine-tuned
     export is the checkpoint bit for bit (a run that started from the target's layers would
-    differ); the model card says where it
-    started and which rows it saw. An architecture option that disagrees with the checkpoint is
-    refused naming the field, one that agrees is accepted, and a domain without rows is refused."""
+    differ); the model card says where it started and which rows it saw. An architecture option
+    that disagrees with the checkpoint is refused naming the field, one that agrees is accepted,
+    and a domain without rows is refused."""
     from click.testing import CliRunner
     from safetensors.torch import load_file
 
