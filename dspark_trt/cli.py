@@ -320,13 +320,13 @@ def calibrate(drafter_path, data_paths, features_dir, target, copy_ngram, copy_r
     loaded = load_target(target)  # fp32: the drafter borrows its (frozen) embedding and LM head
     drafter = load_drafter(drafter_path, loaded)
     config = drafter.config
-    if drafter.confidence is None and not (copy_ngram and config.kind in ("dspark", "dflash")):
+    fits_copy_bias = bool(copy_ngram) and config.kind in ("dspark", "dflash")
+    if drafter.confidence is None and not fits_copy_bias:
         raise click.UsageError(f"a {config.kind} drafter has no confidence head to calibrate and no copy bias to fit")
     every_row = read_datasets(data_paths)
     rows = [r for r in every_row if is_held_out(r["id"])]
     if not rows:
         raise click.BadParameter(f"{', '.join(map(str, data_paths))} has no held-out rows", param_hint="--data")
-    fits_copy_bias = bool(copy_ngram) and config.kind in ("dspark", "dflash")
     # The copy bias changes what is drafted, as training does: it is fitted on training rows (spread
     # over all of them), so that the held-out rows still measure the drafter unseen.
     training = [r for r in every_row if not is_held_out(r["id"])] if fits_copy_bias else []

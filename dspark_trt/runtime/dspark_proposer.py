@@ -184,7 +184,8 @@ class DSparkProposer(Proposer):
         self.queued: dict[str, list[torch.Tensor]] = {}  # request id -> features not yet in the pool
         self.markov_rows = MarkovRows(drafter) if isinstance(drafter.sequential, MarkovHead) else None
         self.copy_indexes: dict[str, CopyIndex] = {}  # request id -> its n-gram lookup (with a copy bias)
-        self.to_draft = drafter.to_draft.tolist()  # list lookups: the copy bias reads a few per request and slot
+        # list lookups: the copy bias reads a few per request and slot (and only it)
+        self.to_draft = drafter.to_draft.tolist() if config.copy_bias else []
 
     def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """B_k `[N, V_d]` (or None without a head) and the RNN state; a Markov head's from its table."""

@@ -101,7 +101,8 @@ def collect_confidences(drafter, sequences, target_final_norm: torch.Tensor, eps
     for start in range(0, len(sequences), batch_size):
         batch = make_batch(sequences[start : start + batch_size], anchors, config.block_size,
                            len(config.feature_layers), config.hidden_size, generator)
-        logits, confidence = draft_logits(drafter, batch)
+        candidates = copy_candidates_of(drafter, batch, config.copy_ngram) if config.copy_ngram else None
+        logits, confidence = draft_logits(drafter, batch, candidates)
         if confidence is None:
             raise ValueError("this drafter has no confidence head to calibrate")
         p_target = target_probs_on_draft_vocab(drafter, batch, target_final_norm, eps)
@@ -110,8 +111,8 @@ def collect_confidences(drafter, sequences, target_final_norm: torch.Tensor, eps
         all_logits.append(confidence[full])
         all_accepted.append(accepted[full])
         all_top.append(top_probability_logit(logits)[full])
-        if config.copy_ngram:
-            all_candidates.append(copy_candidates_of(drafter, batch, config.copy_ngram)[full])
+        if candidates is not None:
+            all_candidates.append(candidates[full])
     return ConfidenceData(torch.cat(all_logits), torch.cat(all_accepted), torch.cat(all_top),
                           torch.cat(all_candidates) if all_candidates else None)
 

@@ -43,8 +43,11 @@ def slot_weights(block_size: int, decay: float = SLOT_DECAY, device: torch.devic
     return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / decay)
 
 
-def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Teacher-forced draft logits `[S, A, gamma, V_d]` and confidence logits `[S, A, gamma]` (or None)."""
+def draft_logits(drafter, batch: Batch,
+                 copy_candidates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced draft logits `[S, A, gamma, V_d]` and confidence logits `[S, A, gamma]` (or None).
+    `copy_candidates`: the batch's `copy_candidates_of`, when the caller has them already (with a
+    copy bias they are looked up here otherwise)."""
     S, A, G = batch.labels.shape
     if isinstance(drafter, EagleDrafter):  # autoregressive: training-time test over gamma steps
         fused = drafter.fuse_features(batch.context_features)  # [S, C, d]
@@ -66,7 +69,8 @@ def draft_logits(drafter, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | No
     logits = logits if bias is None else logits + bias
     config, candidates = drafter.config, None
     if config.copy_bias:
-        candidates = copy_candidates_of(drafter, batch, config.copy_ngram)
+        candidates = copy_candidates if copy_candidates is not None else \
+            copy_candidates_of(drafter, batch, config.copy_ngram)
         alpha = torch.tensor(config.copy_bias, dtype=logits.dtype, device=logits.device)
         logits = logits + dense_copy_bias(alpha, candidates, logits.shape[-1])
     if confidence is not None:
