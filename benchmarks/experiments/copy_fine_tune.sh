@@ -24,22 +24,7 @@ DRAFTER=checkpoints/smollm2-135m-instruct/runs/gpu-data/dspark-prefix-layer
 FEATURES=~/.cache/dspark-trt/features-bf16
 mkdir -p "$WORK"
 
-if [ ! -f "$WORK/subset.jsonl.gz" ]; then
-python - "$WORK/subset.jsonl.gz" <<'PY'
-import gzip, json, sys
-from dspark_trt.training.trainer import is_held_out
-files = ["data/train/smollm2-135m-instruct.bf16.jsonl.gz", "data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz",
-         "data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz"]
-kept = 0
-with gzip.open(sys.argv[1] + ".part", "wt") as out:
-    for path in files:
-        training = [line for line in gzip.open(path, "rt") if not is_held_out(json.loads(line)["id"])]
-        out.writelines(training[::5])
-        kept += len(training[::5])
-print(f"{kept} training rows -> {sys.argv[1]}")
-PY
-mv "$WORK/subset.jsonl.gz.part" "$WORK/subset.jsonl.gz"
-fi
+[ -f "$WORK/subset.jsonl.gz" ] || python benchmarks/experiments/fine_tune_rows.py copy "$WORK/subset.jsonl.gz"
 
 COMMON=(--data "$WORK/subset.jsonl.gz" --features-dir "$FEATURES" --steps "$STEPS" --batch-size 16 --anchors 64
         --lr 2e-4 --checkpoint-every 40)

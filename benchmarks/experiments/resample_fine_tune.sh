@@ -23,27 +23,10 @@ DRAFTER=checkpoints/smollm2-135m-instruct/runs/gpu-data/dspark-prefix-layer
 FEATURES=~/.cache/dspark-trt/features-bf16
 mkdir -p "$WORK/chat" "$WORK/all"
 
-if [ ! -f "$WORK/all/subset.jsonl.gz" ]; then
-python - "$WORK" <<'PY'
-import gzip, json, sys
-from dspark_trt.training.trainer import is_held_out
-work = sys.argv[1]
-training = lambda path: [line for line in gzip.open(path, "rt") if not is_held_out(json.loads(line)["id"])]
-chat = []
-for path in ["data/train/smollm2-135m-instruct.bf16.jsonl.gz", "data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz",
-             "data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz"]:
-    chat += training(path)[::5]
-second = training("data/train/smollm2-135m-instruct.bf16-resample.jsonl.gz")
-chat += [line for line in second if json.loads(line)["domain"] == "chat"]
-rest = [line for line in second if json.loads(line)["domain"] in ("code", "math")][::2]
-for stage, lines in (("chat", chat), ("all", chat + rest)):
-    with gzip.open(f"{work}/{stage}/subset.jsonl.gz.part", "wt") as out:
-        out.writelines(lines)
-    print(f"{stage}: {len(lines)} training rows")
-PY
-mv "$WORK/chat/subset.jsonl.gz.part" "$WORK/chat/subset.jsonl.gz"
-mv "$WORK/all/subset.jsonl.gz.part" "$WORK/all/subset.jsonl.gz"
-fi
+for STAGE in chat all; do  # the rows: benchmarks/experiments/fine_tune_rows.py
+    [ -f "$WORK/$STAGE/subset.jsonl.gz" ] ||
+        python benchmarks/experiments/fine_tune_rows.py "resample-$STAGE" "$WORK/$STAGE/subset.jsonl.gz"
+done
 
 START=$DRAFTER
 for STAGE in chat all; do

@@ -1,0 +1,57 @@
+"""The training rows the CPU fine-tunes of the gpu-data DSpark train on (never a held-out one),
+one definition for `copy_fine_tune.sh` and `resample_fine_tune.sh`:
+
+    python benchmarks/experiments/fine_tune_rows.py copy|resample-chat|resample-all OUT.jsonl.gz
+
+- copy: every 5th training row of the three files the gpu-data pair was trained on (3,212 rows);
+- resample-chat: those plus every chat second response (`bf16-resample`) of a training prompt;
+- resample-all: those plus every 2nd code and math second response.
+
+Written atomically (OUT.part, then renamed), so a stopped run leaves no half-written subset.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+GPU_DATA_FILES = ("data/train/smollm2-135m-instruct.bf16.jsonl.gz",
+                  "data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz",
+                  "data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz")
+SECOND_RESPONSES = "data/train/smollm2-135m-instruct.bf16-resample.jsonl.gz"
+
+
+def training_lines(path: str) -> list[str]:
+    from dspark_trt.training.trainer import is_held_out
+
+    return [line for line in gzip.open(path, "rt") if not is_held_out(json.loads(line)["id"])]
+
+
+def subset(name: str) -> list[str]:
+    lines = [line for path in GPU_DATA_FILES for line in training_lines(path)[::5]]
+    if name == "copy":
+        return lines
+    second = training_lines(SECOND_RESPONSES)
+    lines += [line for line in second if json.loads(line)["domain"] == "chat"]
+    if name == "resample-chat":
+        return lines
+    return lines + [line for line in second if json.loads(line)["domain"] in ("code", "math")][::2]
+
+
+def main() -> int:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("copy", "resample-chat", "resample-all"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    name, output = sys.argv[1:]
+    lines = subset(name)
+    with gzip.open(output + ".part", "wt") as out:
+        out.writelines(lines)
+    os.replace(output + ".part", output)
+    print(f"{name}: {len(lines)} training rows -> {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
