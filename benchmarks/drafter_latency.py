@@ -99,8 +99,8 @@ def main() -> int:
               "torch_threads": torch.get_num_threads()}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    parts = f"{result['head']} head" + (" and prefix layer" if prefix is not None else "")
-    parts = "copy bias" if args.part == "copy-bias" else parts
+    parts = ("copy bias" if args.part == "copy-bias"
+             else f"{result['head']} head" + (" and prefix layer" if prefix is not None else ""))
     print(f"{result['num_blocks']} blocks of {result['block_size']}: {with_part['mean_ms']:.2f} ms mean with the "
           f"{parts}, {without['mean_ms']:.2f} ms without: +{result[f'{part}_overhead']:.1%} "
           f"(median +{result[f'{part}_overhead_median']:.1%})")
