@@ -217,6 +217,9 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_d
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--slot-decay", type=click.FloatRange(min=0.0, min_open=True), default=4.0, show_default=True,
               help="Loss weight of draft slot k is exp(-(k-1)/DECAY): smaller puts more weight on early slots.")
+@click.option("--greedy-weight", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Add this weight times the CE to the target's greedy (argmax) token: what T=0 acceptance "
+                   "asks of a slot; the L1 term only reaches it through the whole distribution.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the final drafter here in fp16 with a model card (what gets committed).")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
@@ -231,7 +234,7 @@ def datagen(target, prompt_specs, follow_up_data, follow_ups_per_row, resample_d
 @device_option("to train and compute missing features")
 def train(data_paths, features_dir, target, output, domains, init_from, kind, head, block_size, num_layers, draft_vocab,
           feature_layers, context_norm, prefix_layer, steps, stop_at, batch_size, anchors, lr, seed, slot_decay,
-          export_dir, precision, features_dtype, compile_loss, checkpoint_every, device):
+          greedy_weight, export_dir, precision, features_dtype, compile_loss, checkpoint_every, device):
     """Train a drafter on self-distilled data (5% of rows, chosen by id, are held out for calibration)."""
     from dspark_trt.models.features import default_feature_layers
     from dspark_trt.models.loading import load_target
@@ -274,7 +277,8 @@ def train(data_paths, features_dir, target, output, domains, init_from, kind, he
                                     draft_vocab=draft_vocab, context_norm=context_norm, prefix_layer=prefix_layer)
         vocab = build_draft_vocab(rows, draft_vocab, loaded.config.vocab_size, set(loaded.eos_token_ids))
     train_config = TrainConfig(steps=steps, sequences_per_batch=batch_size, anchors_per_sequence=anchors,
-                               learning_rate=lr, seed=seed, slot_decay=slot_decay, checkpoint_every=checkpoint_every,
+                               learning_rate=lr, seed=seed, slot_decay=slot_decay, greedy_weight=greedy_weight,
+                               checkpoint_every=checkpoint_every,
                                precision=resolve_precision(precision, device), compile_loss=compile_loss,
                                init_from=str(init_from or ""), domains=list(domains))
     drafter = train_drafter(loaded, sequences, config, vocab, train_config, output, stop_at=stop_at, device=device,

@@ -169,6 +169,9 @@ def test_loss_terms_on_a_hand_checked_case(target):
     try:
         terms = drafter_loss(drafter, FakeBatch(), None, 0.0)
         front_loaded = drafter_loss(drafter, FakeBatch(), None, 0.0, slot_decay=0.5)  # `--slot-decay 0.5`
+        greedy = drafter_loss(drafter, FakeBatch(), None, 0.0, greedy_weight=2.0)  # `--greedy-weight 2`
+        p_target[0, 0, 1, 1] = 0.4  # slot 2's best in-vocabulary token (0.4) may lose to the 0.6 outside it
+        unsure = drafter_loss(drafter, FakeBatch(), None, 0.0, greedy_weight=2.0)
     finally:
         losses.draft_logits, losses.target_logits_on_draft_vocab = original_logits, original_target
     l1_1 = abs(0.25 - 0.4) + abs(0.25 - 0.2) + abs(0.25 - 0.2) + abs(0.25 - 0.0) + 0.2  # = 0.7
@@ -183,6 +186,11 @@ def test_loss_terms_on_a_hand_checked_case(target):
     assert math.isclose(terms.bce, (bce(0.0, c1) + bce(2.0, c2)) / 2, rel_tol=1e-4)
     assert terms.acceptance_per_position == pytest.approx([c1, c2], rel=1e-4)
     assert math.isclose(float(terms.total), 0.1 * terms.ce + 0.9 * terms.l1 + terms.bce, rel_tol=1e-5)
+    # Greedy CE: slot 1's argmax is token 0 (0.4 >= the 0.2 outside D), drafted at 0.25; slot 2's is
+    # token 1 (0.5 >= 0.5 outside), drafted at ~1. With 0.4 against 0.6 outside, slot 2 is skipped.
+    assert math.isclose(greedy.greedy_ce, -math.log(0.25) / 2, abs_tol=1e-4)
+    assert math.isclose(float(greedy.total), float(terms.total) + 2.0 * greedy.greedy_ce, rel_tol=1e-5)
+    assert math.isclose(unsure.greedy_ce, -math.log(0.25), abs_tol=1e-4)
     assert slot_weights(3).tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5)])
 
 

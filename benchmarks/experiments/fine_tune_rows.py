@@ -1,11 +1,13 @@
 """The training rows the CPU fine-tunes of the gpu-data DSpark train on (never a held-out one),
 one definition for `copy_fine_tune.sh` and `resample_fine_tune.sh`:
 
-    python benchmarks/experiments/fine_tune_rows.py copy|resample-chat|resample-all OUT.jsonl.gz
+    python benchmarks/experiments/fine_tune_rows.py copy|resample-chat|resample-all|chat-heavy OUT.jsonl.gz
 
 - copy: every 5th training row of the three files the gpu-data pair was trained on (3,212 rows);
 - resample-chat: those plus every chat second response (`bf16-resample`) of a training prompt;
-- resample-all: those plus every 2nd code and math second response.
+- resample-all: those plus every 2nd code and math second response;
+- chat-heavy: every chat training row of the four files (first and second responses, follow-ups)
+  plus every 4th code and math one, so that chat is ~2/3 of the rows and the other domains stay in view.
 
 Written atomically (OUT.part, then renamed), so a stopped run leaves no half-written subset.
 """
@@ -30,6 +32,10 @@ def training_lines(path: str) -> list[str]:
 
 
 def subset(name: str) -> list[str]:
+    if name == "chat-heavy":
+        rows = [line for path in (*GPU_DATA_FILES, SECOND_RESPONSES) for line in training_lines(path)]
+        chat = [line for line in rows if json.loads(line)["domain"] == "chat"]
+        return chat + [line for line in rows if json.loads(line)["domain"] != "chat"][::4]
     lines = [line for path in GPU_DATA_FILES for line in training_lines(path)[::5]]
     if name == "copy":
         return lines
@@ -41,7 +47,7 @@ def subset(name: str) -> list[str]:
 
 
 def main() -> int:
-    if len(sys.argv) != 3 or sys.argv[1] not in ("copy", "resample-chat", "resample-all"):
+    if len(sys.argv) != 3 or sys.argv[1] not in ("copy", "resample-chat", "resample-all", "chat-heavy"):
         print(__doc__, file=sys.stderr)
         return 2
     name, output = sys.argv[1:]

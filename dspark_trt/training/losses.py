@@ -9,6 +9,12 @@ so the L1 distance is `sum_{v in D} |p_d(v) - p_t(v)| + (1 - sum_{v in D} p_t(v)
 `p_t(v) = exp(logit_v - logsumexp)` from the cached target hidden state and normaliser.
 DFlash baselines train on CE alone (their paper's recipe); drafters without a confidence head
 (EAGLE-3-style, MTP-1) drop the BCE term; every term is still reported.
+
+`--greedy-weight W` adds `W * CE(draft, argmax p_target)`: at T=0 a slot is accepted exactly when
+the draft's argmax is the target's, which the L1 term only reaches through the whole
+distribution; this term spends capacity on that one token. It is skipped on slots where the
+draft vocabulary's best token may not be the target's best overall (its probability below the
+mass outside the vocabulary), so it never trains toward a token the target would not pick.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class LossTerms:
     ce: float
     l1: float
     bce: float
+    greedy_ce: float  # CE to the target's argmax (weighted by `greedy_weight`; reported whatever its weight)
     acceptance_per_position: list[float]  # mean c*_k per slot: teacher-forced acceptance rate
 
 
@@ -112,8 +119,8 @@ def l1_to_target(log_p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Ten
 
 def slot_terms(logits: torch.Tensor, confidence: torch.Tensor | None, target_logits: torch.Tensor,
                target_logsumexp: torch.Tensor, label_ids: torch.Tensor, valid: torch.Tensor,
-               weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE, weighted L1, BCE, mean c*_k per slot) from the draft logits `[S, A, gamma, V_d]`: tensors
+               weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE, weighted L1, BCE, mean c*_k per slot, greedy CE) from the draft logits `[S, A, gamma, V_d]`: tensors
     only, and every op over the `[S, A, gamma, V_d]` tensors is elementwise or a reduction, which is
     what `torch.compile` fuses (`compiled_slot_terms`)."""
     p_target = target_probs(target_logits, target_logsumexp)
@@ -133,7 +140,12 @@ def slot_terms(logits: torch.Tensor, confidence: torch.Tensor | None, target_log
     else:
         bce = (F.binary_cross_entropy_with_logits(confidence, soft_label, reduction="none") * valid_f).sum() / num_slots
     per_position = (soft_label * valid_f).sum((0, 1)) / valid_f.sum((0, 1)).clamp(min=1)
-    return ce, l1_term, bce, per_position
+    top_p, greedy_ids = p_target.max(-1)  # the draft vocabulary's best token and its probability
+    outside_mass = (1.0 - p_target.sum(-1)).clamp(min=0.0)
+    sure = (top_p >= outside_mass) & valid  # no token outside the vocabulary can beat it
+    greedy_all = -log_p_draft.gather(-1, greedy_ids[..., None]).squeeze(-1)
+    greedy_ce = (greedy_all * sure).sum() / sure.sum().clamp(min=1)
+    return ce, l1_term, bce, per_position, greedy_ce
 
 
 _compiled = None
@@ -156,11 +168,11 @@ def compiled_slot_terms(*args):
 
 
 def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Tensor, eps: float,
-                 slot_decay: float = SLOT_DECAY, compile_loss: bool = False) -> LossTerms:
+                 slot_decay: float = SLOT_DECAY, compile_loss: bool = False, greedy_weight: float = 0.0) -> LossTerms:
     logits, confidence = draft_logits(drafter, batch)
     target_logits = target_logits_on_draft_vocab(drafter, batch, target_final_norm, eps)
     terms = compiled_slot_terms if compile_loss else slot_terms
-    ce, l1_term, bce, per_position = terms(logits, confidence, target_logits, batch.target_logsumexp,
+    ce, l1_term, bce, per_position, greedy_ce = terms(logits, confidence, target_logits, batch.target_logsumexp,
                                            drafter.to_draft[batch.labels], batch.valid,
                                            slot_weights(logits.shape[2], slot_decay, logits.device))
 
@@ -170,4 +182,7 @@ def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Te
         total = CE_WEIGHT * ce + L1_WEIGHT * l1_term
     else:
         total = CE_WEIGHT * ce + L1_WEIGHT * l1_term + BCE_WEIGHT * bce
-    return LossTerms(total, float(ce.detach()), float(l1_term.detach()), float(bce.detach()), per_position.tolist())
+    if greedy_weight:
+        total = total + greedy_weight * greedy_ce
+    return LossTerms(total, float(ce.detach()), float(l1_term.detach()), float(bce.detach()),
+                     float(greedy_ce.detach()), per_position.tolist())

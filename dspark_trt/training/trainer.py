@@ -66,6 +66,7 @@ class TrainConfig:
     init_from: str = ""  # a drafter checkpoint the weights start from instead (fine-tuning; `initial_weights`)
     domains: list[str] = field(default_factory=list)  # the data's rows of these domains only (empty: all)
     slot_decay: float = SLOT_DECAY  # L1 weight of slot k: exp(-(k-1)/slot_decay)
+    greedy_weight: float = 0.0  # weight of the CE to the target's argmax (losses: what T=0 accepts)
     precision: str = "fp32"  # "bf16": autocast matmuls to bf16 (fp32 master weights); see resolve_precision
     compile_loss: bool = False  # the slot losses through torch.compile (losses.compiled_slot_terms)
 
@@ -322,7 +323,8 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
             batch, *sampler_state = pending.result()
             pending = prefetcher.submit(next_batch) if step + 1 < end_step else None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
-                terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay, config.compile_loss)
+                terms = drafter_loss(drafter, batch, final_norm, eps, config.slot_decay, config.compile_loss,
+                                     config.greedy_weight)
             optimizer.zero_grad(set_to_none=True)
             terms.total.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
@@ -336,7 +338,8 @@ def train_drafter(target: LoadedTarget, sequences: list[Sequence], drafter_confi
                             blocks_s=f"{step_blocks / seconds:.0f}")
             if (step + 1) % config.log_every == 0 or step == start_step:
                 log.write(json.dumps({"step": step + 1, "loss": float(terms.total.detach()), "ce": terms.ce, "l1": terms.l1,
-                                      "bce": terms.bce, "grad_norm": float(grad_norm), "lr": learning_rate(step, config),
+                                      "bce": terms.bce, "greedy_ce": terms.greedy_ce, "grad_norm": float(grad_norm),
+                                      "lr": learning_rate(step, config),
                                       "acceptance_per_position": terms.acceptance_per_position,
                                       "elapsed_s": elapsed, "num_blocks": num_blocks,
                                       "blocks_per_s": num_blocks / elapsed if elapsed else 0.0,
@@ -370,6 +373,8 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
     start = f", fine-tuning the drafter `{init_from}` (its architecture and draft vocabulary)" if init_from else ""
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
+    if config.greedy_weight and c.kind != "dflash":
+        loss += f", plus {config.greedy_weight:g} x CE to the target's argmax (`--greedy-weight`)"
     context = " (each norms the target context with its own input norm: `context_norm`)" if c.context_norm else ""
     if c.prefix_layer:
         context += ", then a causal layer over the drafted prefix before the LM head (`prefix_layer`)"
