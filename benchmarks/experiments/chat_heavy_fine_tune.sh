@@ -6,8 +6,10 @@
 # rows, 61% chat), copy bias kept in the loss, then recalibrated and measured: held-out chat on all
 # 187 held-out chat rows and offline tau on MT-Bench, HumanEval and GSM8K at T=0 and T=1.
 #
-#   bash benchmarks/experiments/chat_heavy_fine_tune.sh [WORK_DIR] [GREEDY_WEIGHT]
+#   bash benchmarks/experiments/chat_heavy_fine_tune.sh [WORK_DIR] [GREEDY_WEIGHT] [START]
 #
+# START (default the committed resample-ft DSpark): the drafter to fine-tune, e.g. the export of an
+# earlier run of this script, for a second pass over the same rows.
 # GREEDY_WEIGHT (default 0): `train --greedy-weight`, a CE term toward the target's argmax, what T=0
 # acceptance asks of each slot. Alone, ~45 min: ~35 of training (most rows' target features are
 # computed as training first meets them, ~4 rows/s), ~5 of calibration and ~5 of measuring. Outputs in
@@ -17,7 +19,7 @@
 set -euo pipefail
 GREEDY_WEIGHT=${2:-0}
 WORK=${1:-/tmp/chat-heavy-w$GREEDY_WEIGHT}
-START=checkpoints/smollm2-135m-instruct/runs/resample-ft/dspark-prefix-layer
+START=${3:-checkpoints/smollm2-135m-instruct/runs/resample-ft/dspark-prefix-layer}
 FEATURES=~/.cache/dspark-trt/features-bf16
 DATA=data/train/smollm2-135m-instruct.bf16.jsonl.gz
 mkdir -p "$WORK"
