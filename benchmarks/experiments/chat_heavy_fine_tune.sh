@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A third fine-tune stage for held-out chat (issue #19; results: docs/drafters.md, "A chat-heavy
+# Fine-tune passes for held-out chat (issue #19; results: docs/drafters.md, "A chat-heavy
 # third stage"): from the committed resample-ft DSpark, 240 steps of 16 rows x 64 anchors at lr 2e-4
 # on the `chat-heavy` rows (benchmarks/experiments/fine_tune_rows.py: every chat training row of the
 # four files, first and second responses and follow-ups, plus every 4th code and math row; 13,898
@@ -9,10 +9,12 @@
 #   bash benchmarks/experiments/chat_heavy_fine_tune.sh [WORK_DIR] [GREEDY_WEIGHT] [START]
 #
 # START (default the committed resample-ft DSpark): the drafter to fine-tune, e.g. the export of an
-# earlier run of this script, for a second pass over the same rows.
+# earlier run of this script, for another pass over the same rows (the committed drafter is the
+# third pass: its model card gives the three commands).
 # GREEDY_WEIGHT (default 0): `train --greedy-weight`, a CE term toward the target's argmax, what T=0
-# acceptance asks of each slot. Alone, ~45 min: ~35 of training (most rows' target features are
-# computed as training first meets them, ~4 rows/s), ~5 of calibration and ~5 of measuring. Outputs in
+# acceptance asks of each slot. Alone, ~30 min: ~18 of training once the rows' target features are
+# cached (~28 the first time, when most are computed as training first meets them, ~4 rows/s), ~3 of
+# calibration and ~6 of measuring. Outputs in
 # WORK_DIR (default /tmp/chat-heavy-wGREEDY_WEIGHT): the run (run/), its export (export/),
 # heldout_chat_all.json and offline.json. Resumable: `train` continues a run that stopped, and a
 # finished export is not trained again.

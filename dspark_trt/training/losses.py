@@ -173,8 +173,8 @@ def drafter_loss(drafter: DrafterBase, batch: Batch, target_final_norm: torch.Te
     target_logits = target_logits_on_draft_vocab(drafter, batch, target_final_norm, eps)
     terms = compiled_slot_terms if compile_loss else slot_terms
     ce, l1_term, bce, per_position, greedy_ce = terms(logits, confidence, target_logits, batch.target_logsumexp,
-                                           drafter.to_draft[batch.labels], batch.valid,
-                                           slot_weights(logits.shape[2], slot_decay, logits.device))
+                                                      drafter.to_draft[batch.labels], batch.valid,
+                                                      slot_weights(logits.shape[2], slot_decay, logits.device))
 
     if drafter.config.kind == "dflash":  # DFlash's own recipe
         total = ce

@@ -373,7 +373,7 @@ def model_card(drafter: DrafterBase, data_paths: list[Path], sequences: list[Seq
     start = f", fine-tuning the drafter `{init_from}` (its architecture and draft vocabulary)" if init_from else ""
     loss = ("loss: CE alone (DFlash's recipe)" if c.kind == "dflash"
             else f"slot loss weights exp(-(k-1)/{config.slot_decay:g})")
-    if config.greedy_weight and c.kind != "dflash":
+    if config.greedy_weight:
         loss += f", plus {config.greedy_weight:g} x CE to the target's argmax (`--greedy-weight`)"
     context = " (each norms the target context with its own input norm: `context_norm`)" if c.context_norm else ""
     if c.prefix_layer:
