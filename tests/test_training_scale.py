@@ -487,3 +487,29 @@ def test_init_from_fine_tunes_a_trained_drafter_on_one_domain(tiny_llama, target
     assert "num_layers = 1" in refused.output and not (tmp_path / "refused").exists()
     empty = train("empty", "--init-from", str(base), "--domain", "code")
     assert empty.exit_code != 0 and "Traceback" not in empty.output and "of domain code" in empty.output
+
+
+def test_train_greedy_weight_reaches_the_loss_the_log_the_state_and_the_card(tiny_llama, dataset, tmp_path):
+    """`train --greedy-weight W`: the log reports the greedy CE, the run's state keeps W (a resume
+    compares recipes by it), the model card names it, and a negative weight is refused by name."""
+    from click.testing import CliRunner
+
+    from dspark_trt.cli import main
+
+    rows, features_dir = dataset
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = ["train", "--data", str(data), "--features-dir", str(features_dir), "--target", str(tiny_llama),
+              "--batch-size", "2", "--anchors", "4", "--no-compile-loss", "--features-dtype", "float32",
+              "--num-layers", "1", "--block-size", "4", "--draft-vocab", "64",
+              "--feature-layers", ",".join(map(str, FEATURE_LAYERS)), "--steps", "2"]
+    run = tmp_path / "run"
+    result = CliRunner().invoke(main, [*common, "--greedy-weight", "1.5", "--output", str(run),
+                                       "--export", str(run / "export")])
+    assert result.exit_code == 0, result.output
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert log and all(entry["greedy_ce"] > 0 for entry in log)
+    assert run_state.run_progress(run)["train_config"]["greedy_weight"] == 1.5
+    assert "plus 1.5 x CE to the target's argmax (`--greedy-weight`)" in (run / "export" / "MODEL_CARD.md").read_text()
+    refused = CliRunner().invoke(main, [*common, "--greedy-weight", "-1", "--output", str(tmp_path / "other")])
+    assert refused.exit_code != 0 and "--greedy-weight" in refused.output
