@@ -1,5 +1,5 @@
 """The training rows the CPU fine-tunes of the gpu-data DSpark train on (never a held-out one),
-one definition for `copy_fine_tune.sh` and `resample_fine_tune.sh`:
+one definition for `copy_fine_tune.sh`, `resample_fine_tune.sh` and `chat_heavy_fine_tune.sh`:
 
     python benchmarks/experiments/fine_tune_rows.py copy|resample-chat|resample-all|chat-heavy OUT.jsonl.gz
 
@@ -23,31 +23,38 @@ GPU_DATA_FILES = ("data/train/smollm2-135m-instruct.bf16.jsonl.gz",
                   "data/train/smollm2-135m-instruct.bf16-code-extra.jsonl.gz",
                   "data/train/smollm2-135m-instruct.bf16-followup.jsonl.gz")
 SECOND_RESPONSES = "data/train/smollm2-135m-instruct.bf16-resample.jsonl.gz"
+SUBSETS = ("copy", "resample-chat", "resample-all", "chat-heavy")
 
 
-def training_lines(path: str) -> list[str]:
+def training_rows(path: str) -> list[tuple[str, str]]:
+    """(line, domain) of each training row of `path`, held-out rows dropped; each line parsed once."""
     from dspark_trt.training.trainer import is_held_out
 
-    return [line for line in gzip.open(path, "rt") if not is_held_out(json.loads(line)["id"])]
+    rows = []
+    for line in gzip.open(path, "rt"):
+        row = json.loads(line)
+        if not is_held_out(row["id"]):
+            rows.append((line, row["domain"]))
+    return rows
 
 
 def subset(name: str) -> list[str]:
     if name == "chat-heavy":
-        rows = [line for path in (*GPU_DATA_FILES, SECOND_RESPONSES) for line in training_lines(path)]
-        chat = [line for line in rows if json.loads(line)["domain"] == "chat"]
-        return chat + [line for line in rows if json.loads(line)["domain"] != "chat"][::4]
-    lines = [line for path in GPU_DATA_FILES for line in training_lines(path)[::5]]
+        rows = [pair for path in (*GPU_DATA_FILES, SECOND_RESPONSES) for pair in training_rows(path)]
+        chat = [line for line, domain in rows if domain == "chat"]
+        return chat + [line for line, domain in rows if domain != "chat"][::4]
+    lines = [line for path in GPU_DATA_FILES for line, _ in training_rows(path)[::5]]
     if name == "copy":
         return lines
-    second = training_lines(SECOND_RESPONSES)
-    lines += [line for line in second if json.loads(line)["domain"] == "chat"]
+    second = training_rows(SECOND_RESPONSES)
+    lines += [line for line, domain in second if domain == "chat"]
     if name == "resample-chat":
         return lines
-    return lines + [line for line in second if json.loads(line)["domain"] in ("code", "math")][::2]
+    return lines + [line for line, domain in second if domain in ("code", "math")][::2]
 
 
 def main() -> int:
-    if len(sys.argv) != 3 or sys.argv[1] not in ("copy", "resample-chat", "resample-all", "chat-heavy"):
+    if len(sys.argv) != 3 or sys.argv[1] not in SUBSETS:
         print(__doc__, file=sys.stderr)
         return 2
     name, output = sys.argv[1:]
