@@ -111,10 +111,14 @@ def target_probs(target_logits: torch.Tensor, target_logsumexp: torch.Tensor) ->
     return torch.exp(target_logits - target_logsumexp[..., None]).clamp(max=1.0)
 
 
+def mass_outside_draft_vocab(p_target: torch.Tensor) -> torch.Tensor:
+    """The target's probability on tokens outside the draft vocabulary, per slot `[...]`."""
+    return (1.0 - p_target.sum(-1)).clamp(min=0.0)
+
+
 def l1_to_target(log_p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
     """||p_draft - p_target||_1 per slot, `[...]`, with p_draft on D and p_target's mass outside D."""
-    outside_mass = (1.0 - p_target.sum(-1)).clamp(min=0.0)
-    return (log_p_draft.exp() - p_target).abs().sum(-1) + outside_mass
+    return (log_p_draft.exp() - p_target).abs().sum(-1) + mass_outside_draft_vocab(p_target)
 
 
 def slot_terms(logits: torch.Tensor, confidence: torch.Tensor | None, target_logits: torch.Tensor,
@@ -141,8 +145,7 @@ def slot_terms(logits: torch.Tensor, confidence: torch.Tensor | None, target_log
         bce = (F.binary_cross_entropy_with_logits(confidence, soft_label, reduction="none") * valid_f).sum() / num_slots
     per_position = (soft_label * valid_f).sum((0, 1)) / valid_f.sum((0, 1)).clamp(min=1)
     top_p, greedy_ids = p_target.max(-1)  # the draft vocabulary's best token and its probability
-    outside_mass = (1.0 - p_target.sum(-1)).clamp(min=0.0)
-    sure = (top_p >= outside_mass) & valid  # no token outside the vocabulary can beat it
+    sure = (top_p >= mass_outside_draft_vocab(p_target)) & valid  # no token outside the vocabulary can beat it
     greedy_all = -log_p_draft.gather(-1, greedy_ids[..., None]).squeeze(-1)
     greedy_ce = (greedy_all * sure).sum() / sure.sum().clamp(min=1)
     return ce, l1_term, bce, per_position, greedy_ce
