@@ -2,6 +2,8 @@
 (the paper's appendix-A counterexample, run through the real verifier), the lagged and
 threshold policies, skipping the drafter under load, and losslessness in the engine."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from scipy.stats import binomtest
@@ -9,6 +11,8 @@ from scipy.stats import binomtest
 from dspark_trt import LLM, SamplingParams
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.runtime.profile import LatencyProfile
+from dspark_trt.runtime.scheduler import Scheduler
+from dspark_trt.runtime.stats import StepStats
 from dspark_trt.runtime.sampling import sample, verify_draft
 from dspark_trt.models.drafter_io import save_drafter
 from dspark_trt.models.loading import load_target
@@ -63,6 +67,45 @@ def test_drafter_cost_enters_the_objective():
     policy = DSparkPolicy()
     policy.costs = dear
     assert policy.should_draft([None] * 4) is True  # no history yet: draft once to learn
+
+
+def test_drafting_is_judged_by_the_rule_that_will_verify():
+    # One request; a jagged curve: 2 tokens cost 2x one, 3 tokens no more than 2. The global search
+    # finds 2.2 tokens / 2.1 s = 1.05 tok/s, above plain decoding's 1.0, but Algorithm 1 stops at
+    # the first draft token (1.6 / 2.1 < 1 / 1.1) and would verify nothing: a draft for nothing.
+    cost = costs([1, 2, 3], [1.0, 2.0, 2.0], [1], [0.1])
+    survival = [[0.6, 0.6]]
+    assert best_budget(survival, cost, 1)[1] > cost.rate(1, 1, 0)
+    assert algorithm1(survival, cost, 1) == [0]
+    policy = DSparkPolicy()
+    policy.costs = cost
+    assert policy.should_draft(survival) is False
+    # Where Algorithm 1 itself gains, it drafts.
+    policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [0.1])
+    assert policy.should_draft(survival) is True
+
+
+def test_explorations_back_off_while_drafting_does_not_pay(target):
+
+    class Never(DSparkPolicy):
+        def should_draft(self, lagged_survival):
+            return self.pays
+
+    policy = Never()
+    policy.pays = False
+    scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
+                          explore_every=4)
+
+    def drafted_steps(num_steps):
+        decoding = [SimpleNamespace(request_id="r")]
+        return [step for step in range(num_steps) if scheduler._should_draft(decoding, StepStats())]
+
+    # Gaps of 4, 8, 16, 32, then capped at 16 x 4 = 64 steps.
+    assert drafted_steps(4 + 1 + 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1) == [4, 13, 30, 63, 128, 193]
+    policy.pays = True  # a gain found again: every step drafts, and the gap is back to 4
+    assert drafted_steps(3) == [0, 1, 2]
+    policy.pays = False
+    assert drafted_steps(6) == [4]
 
 
 def appendix_a_first_token_distribution(early_stop: bool, num_samples: int = 6000, seed: int = 0) -> float:

@@ -64,6 +64,7 @@ class Scheduler:
         self.survival: dict[str, list[float]] = {}
         self.steps_since_draft = 0
         self.explore_every = explore_every  # steps without drafting after which the drafter runs once anyway
+        self.explore_gap = explore_every  # the current gap: doubles while explorations keep finding no gain
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -91,10 +92,18 @@ class Scheduler:
         if not self.policy.uses_drafter or not decoding:
             return False
         tick = time.perf_counter()
-        draft_now = self.policy.should_draft([self.survival.get(r.request_id) for r in decoding])
+        pays = self.policy.should_draft([self.survival.get(r.request_id) for r in decoding])
         # Survivals only refresh when the drafter runs: explore now and then, so one bad block
-        # (or a load spike) does not switch drafting off for good.
-        draft_now = draft_now or self.steps_since_draft >= self.explore_every
+        # (or a load spike) does not switch drafting off for good. Each exploration is a draft
+        # that may not pay, so while they keep finding none the gap doubles (16, 32, .. 256 steps):
+        # text the drafter cannot predict then costs at most a fraction of a percent over plain
+        # decoding, and a gain found again resets the gap.
+        explore = not pays and self.steps_since_draft >= self.explore_gap
+        if pays:
+            self.explore_gap = self.explore_every
+        elif explore:
+            self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
+        draft_now = pays or explore
         stats.scheduler_seconds += time.perf_counter() - tick
         self.steps_since_draft = 0 if draft_now else self.steps_since_draft + 1
         return draft_now

@@ -27,10 +27,11 @@ a_{r,j+1} (which depends on x_{r,j}); searching past a non-improvement would (th
 appendix A; `tests/test_scheduler.py` shows the bias). The lagged budget is fixed before the
 current block exists, and a top-K set is decided by larger values only.
 
-Drafting itself is a choice under load (`should_draft`): with confidences from earlier steps,
-the policy compares the best expected rate with drafting against plain decoding and skips the
-drafter when it does not pay; the drafter then catches up on the context it missed before it
-drafts again (see `DSparkProposer.observe`).
+Drafting itself is a choice (`should_draft`): with confidences from earlier steps, the policy
+compares the rate its own verification rule would reach with drafting (the drafter's cost
+included) against plain decoding, and skips the drafter when it does not pay, so speculation
+never runs where it is expected to be slower; the drafter then catches up on the context it
+missed before it drafts again (see `DSparkProposer.observe`).
 
 This module is pure Python over floats and decides nothing else: admission and the token
 budget are the scheduler's (`scheduler.py`), tensors and requests the engine's.
@@ -201,7 +202,18 @@ class DSparkPolicy(VerifyPolicy):
         rows = [row if row else fallback for row in lagged_survival]
         count = len(rows)
         self.last_plan = best_budget(rows, self.costs, count)
-        return self.last_plan[1] > self.costs.rate(count, count, 0)  # drafting beats plain decoding
+        return self.expected_rate(rows) > self.costs.rate(count, count, 0)  # drafting beats plain decoding
+
+    def expected_rate(self, survival: list[list[float]]) -> float:
+        """Tokens per second if every request drafts and `budgets` then picks from `survival`.
+
+        The rule that will pick (Algorithm 1, early stop included), not the best budget of a global
+        search: that one can be above what the step will verify, and drafting for it would then
+        cost more than it returns, i.e. run slower than plain decoding."""
+        count = len(survival)
+        budgets = algorithm1(survival, self.costs, count)
+        expected = count + sum(sum(row[:budget]) for row, budget in zip(survival, budgets))
+        return self.costs.rate(expected, count + sum(budgets), count)
 
     def budgets(self, survival, draft_lengths, num_drafting):
         if self.costs is None:
@@ -218,6 +230,9 @@ class LaggedDSparkPolicy(DSparkPolicy):
     def __init__(self):
         super().__init__()
         self.lagged_budget = 0
+
+    def expected_rate(self, survival):
+        return self.last_plan[1]  # the budget it will verify is the global search's (`should_draft`)
 
     def should_draft(self, lagged_survival):
         draft = super().should_draft(lagged_survival)
