@@ -331,7 +331,6 @@ class DSparkProposer(Proposer):
             cos_table, sin_table = drafter.rope_table(int(lengths.max()) + gamma)
         prefix_cache, previous_tokens = None, anchors  # the prefix layer's keys/values; target ids of x_{k-1}
         copy_bias = self._copy_bias(requests)
-        top_prob_logits: list[torch.Tensor] = []  # [N] per slot, when the confidence reads p_k's top probability
         chosen, distributions, state = [], [], None
         for k in range(gamma):
             bias, state = self._head_bias(hidden[:, k], previous, state)
@@ -346,8 +345,6 @@ class DSparkProposer(Proposer):
                 logits.add_(drafter.lm_head_logits(correction))
             if copy_bias is not None:
                 copy_bias.add_to(logits, k)
-            if drafter.config.confidence_top_prob:  # the confidence reads p_k's top probability
-                top_prob_logits.append(top_probability_logit(logits))
             choice, probs = draw_tokens(logits, requests)
             chosen.append(choice)
             distributions.append(probs)
@@ -359,7 +356,9 @@ class DSparkProposer(Proposer):
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
         confidence = drafter.confidence_logits(hidden, previous_ids)
         if confidence is not None:  # what calibration learned the head cannot see (all known before x_k)
-            top = torch.stack(top_prob_logits, 1) if top_prob_logits else None
+            # backbone_logits now holds each slot's final logits (every bias was added in place), so
+            # p_k's top probability is read once for the whole block: one reduction, not gamma
+            top = top_probability_logit(backbone_logits) if drafter.config.confidence_top_prob else None  # [N, gamma]
             confidence = drafter.confidence_offsets(confidence, top, copy_bias.candidates() if copy_bias else None)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
         tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
