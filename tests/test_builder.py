@@ -384,10 +384,10 @@ def test_default_config_resolves_to_the_committed_drafter_folder():
     assert target == "default" and drafter == str(DEFAULT_DRAFTER_DIR) and Path(drafter).is_dir()
 
 
-def test_a_drafter_with_a_copy_bias_builds_without_it_and_says_so(tmp_path):
-    """The copy bias reads the request's tokens, which the stateless drafter graph is not given:
-    the build leaves it out of the graphs (validated against the drafter without it), says so,
-    and records it in the manifest; the copied checkpoint keeps it for the PyTorch proposer."""
+def test_a_drafter_with_a_copy_bias_builds_with_it_in_the_graphs(tmp_path):
+    """The copy bias is part of the exported drafter (input `context_tokens`, the op's copy
+    attributes), validated against the runtime proposer that adds it, on sample prompts that
+    copy; the manifest says so, and the copied checkpoint keeps it."""
     drafter = tmp_path / "drafter"
     shutil.copytree(tiny_drafter_folder(), drafter)
     config = json.loads((drafter / "config.json").read_text())
@@ -396,7 +396,16 @@ def test_a_drafter_with_a_copy_bias_builds_without_it_and_says_so(tmp_path):
     result = CliRunner().invoke(main, ["build", "tiny", "--output", str(output), "--set", f"drafter={drafter}",
                                        "--set", "profile.measure=false"])
     assert result.exit_code == 0, result.output
-    assert "copy bias is left out" in result.output
+    assert "left out" not in result.output and "copy candidates in the sample" in result.output
     manifest = json.loads((output / "manifest.json").read_text())
-    assert manifest["drafter"]["copy_ngram_outside_graphs"] == 2 and all(manifest["validation"].values())
+    assert manifest["drafter"]["copy_ngram"] == 2 and "copy_ngram_outside_graphs" not in manifest["drafter"]
+    assert manifest["drafter"]["graph_inputs"][-1] == "context_tokens" and all(manifest["validation"].values())
+    report = json.loads((output / "validation" / "report.json").read_text())
+    assert report["drafter"]["copy_candidates"]["in_greedy_rows"] > 0
+    assert report["drafter"]["greedy_tokens_identical_runtime_proposer"]
+    for graph in ("drafter", "drafter_unrolled"):
+        model = onnx.load(str(output / "onnx" / f"{graph}.onnx"))
+        assert [i.name for i in model.graph.input][-1] == "context_tokens"
+    nodes = [n for n in onnx.load(str(output / "onnx" / "drafter.onnx")).graph.node if n.domain == "dspark"]
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}["copy_ngram"] == 2
     assert json.loads((output / "drafter" / "config.json").read_text())["copy_bias"] == [[3.0, 5.0]] * config["block_size"]

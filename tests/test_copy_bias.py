@@ -108,3 +108,67 @@ def test_top_probability_logit_is_the_logit_of_the_largest_probability_and_stays
     got = top_probability_logit(logits)
     assert torch.allclose(got[:2], torch.log(top[:2] / (1 - top[:2])), atol=1e-5)  # 1/4 -> log(1/3)
     assert torch.isfinite(got[2]) and got[2] > 10  # p = 1 - 1e-34: large, not inf
+
+
+def test_top_probability_logit_is_accurate_near_one():
+    # A strong copy bias puts p_top within 1e-4 of 1; there `max - logsumexp` then log1p(-exp(.))
+    # in fp32 cancels to ~1e-3 of noise in the confidence (ONNX Runtime and PyTorch disagreed). The
+    # fp32 result must match the float64 truth to fp32 accuracy.
+    from dspark_trt.models.drafter import TOP_PROBABILITY_LOGIT_CAP, top_probability_logit
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8192, generator=generator)
+    logits[torch.arange(64), torch.arange(64)] += torch.linspace(5.0, 22.0, 64)  # p_top from ~0.02 to ~1 - 1e-6
+    exact = logits.double().log_softmax(-1).max(-1).values
+    exact = (exact - torch.log(-torch.expm1(exact))).clamp(max=TOP_PROBABILITY_LOGIT_CAP)
+    assert (top_probability_logit(logits).double() - exact).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tensor_lookup_answers_what_the_runtime_lookup_answers(seed):
+    """`right_aligned_history` + `sequence_copy_candidates` + `draft_copy_candidates` (the tensor
+    ops the exported drafter graph runs) give every slot of a batched block what the runtime's
+    `BlockCopyBias` (`CopyIndex` with the block's own pairs) gives: histories of different lengths
+    (padding of arbitrary values), many repeats, in-block pairs and followers outside the draft
+    vocabulary; and `add_copy_bias` adds what `add_to` adds."""
+    from dspark_trt.models.copy_bias import (add_copy_bias, draft_copy_candidates, right_aligned_history,
+                                             sequence_copy_candidates)
+
+    rng = random.Random(seed)
+    max_ngram, gamma, vocab_size, batch = rng.randrange(1, 5), 5, 6, 4
+    to_draft = [vocab_size] * 9  # target ids 0..8: 5 or 6 of them have draft ids, the others are outside
+    for draft_id, token in enumerate(rng.sample(range(9), vocab_size - 1) if seed % 2 else range(vocab_size)):
+        to_draft[token] = draft_id
+    histories = [[rng.randrange(9) for _ in range(rng.randrange(0, 25))] for _ in range(batch)]
+    anchors = [rng.randrange(9) for _ in range(batch)]
+    blocks = [[rng.randrange(9) for _ in range(gamma)] for _ in range(batch)]  # repeats: in-block pairs
+    width = max(1, max(map(len, histories)))
+    tokens = torch.tensor([h + [rng.randrange(100)] * (width - len(h)) for h in histories])
+    sequence = right_aligned_history(tokens, torch.tensor([len(h) for h in histories]), torch.tensor(anchors))
+    indexes = []
+    for history, anchor in zip(histories, anchors):
+        indexes.append(CopyIndex(max_ngram))
+        indexes[-1].extend(history + [anchor])
+    alpha = [[rng.uniform(-2, 5) for _ in range(max_ngram)] for _ in range(gamma)]
+    runtime = BlockCopyBias(alpha, indexes, to_draft, vocab_size)
+    for k in range(gamma):
+        logits = torch.randn(batch, vocab_size)
+        want_logits = logits.clone()
+        runtime.add_to(want_logits, k)
+        got = draft_copy_candidates(sequence_copy_candidates(sequence, max_ngram), torch.tensor(to_draft), vocab_size)
+        assert got.tolist() == torch.tensor(runtime.found[-1]).view(batch, max_ngram).tolist(), (seed, k)
+        assert torch.equal(add_copy_bias(logits, torch.tensor(alpha[k]), got), want_logits)
+        drawn = [block[k] for block in blocks]
+        runtime.advance(drawn)
+        sequence = torch.cat([sequence, torch.tensor(drawn)[:, None]], dim=1)
+    found = runtime.candidates()
+    assert (found != NO_CANDIDATE).any() and (found == NO_CANDIDATE).any()  # not vacuous either way
+
+
+def test_the_tensor_lookup_is_the_batch_lookup_at_the_last_position():
+    """The worked example of `copy_candidates`, as one right-aligned row among shorter ones."""
+    from dspark_trt.models.copy_bias import sequence_copy_candidates
+
+    rows = torch.tensor([[5, 6, 7, 5, 6, 8, 5, 6], [-1, -1, -1, -1, -1, -1, 1, 1], [-1] * 7 + [4]])
+    assert sequence_copy_candidates(rows, 3).tolist() == [
+        copy_candidates([5, 6, 7, 5, 6, 8, 5, 6], [7], 3)[0], [1, NO_CANDIDATE, NO_CANDIDATE], [NO_CANDIDATE] * 3]

@@ -44,6 +44,12 @@ def make_drafter(target, head="markov", block_size=4, vocab_size=512, calibrated
     return drafter.eval().requires_grad_(False)
 
 
+def copy_inputs(module):
+    """The op's copy-bias inputs of an `ExportDrafter` (placeholders for a drafter without one)."""
+    w = module.head_weights()
+    return module.history_placeholder, w.draft_vocab, w.to_draft, w.copy_alpha, w.copy_beta, w.top_prob_w
+
+
 def sample_feeds(target, drafter, seed=0, batch=4):
     generator = torch.Generator().manual_seed(seed)
     width = len(FEATURE_LAYERS) * target.config.hidden_size
@@ -92,7 +98,7 @@ def test_reference_is_the_drafters_head(target, head):
     module = ExportDrafter(drafter)
     ids, probs, conf, dists = sd.reference(logits, hidden, anchors, module.w1, module.w2, *module.gru, module.conf_w,
                                            module.conf_b, module.conf_inv_temps, temperatures, uniforms,
-                                           sd.HEAD_CODES[head], 1)
+                                           *copy_inputs(module), sd.HEAD_CODES[head], 1)
     for b in range(batch):
         previous, state = anchors[b], None
         for k in range(block):
@@ -122,22 +128,33 @@ def test_sampled_tokens_follow_the_draft_distribution(target):
     module = ExportDrafter(drafter)
     ids, _, _, dists = sd.reference(logits, hidden, torch.zeros(n, dtype=torch.long), module.w1, module.w2, *module.gru,
                                     module.conf_w, module.conf_b, module.conf_inv_temps, torch.ones(n),
-                                    torch.rand(n, 4, generator=generator), sd.HEAD_MARKOV, 1)
+                                    torch.rand(n, 4, generator=generator), *copy_inputs(module), sd.HEAD_MARKOV, 1)
     counts = torch.bincount(ids[:, 0], minlength=8).float()
     expected = dists[0, 0] * n
     chi2 = float(((counts - expected) ** 2 / expected.clamp(min=1e-9)).sum())
     assert chi2 < 30.0  # 7 degrees of freedom: p < 1e-4 at 30
 
 
-def test_custom_op_matches_reference_and_passes_opcheck(target):
+@pytest.mark.parametrize("copy_bias", [False, True])
+def test_custom_op_matches_reference_and_passes_opcheck(target, copy_bias):
     drafter = make_drafter(target, "rnn")
+    attributes = (sd.HEAD_RNN, 1, 0, 0, 0)
+    if copy_bias:  # the copy inputs and attributes in use (a history whose tail repeats)
+        drafter.config.copy_bias = [[2.0, 4.0]] * 4
+        drafter.config.copy_confidence = [[0.5, -0.5]] * 4
+        drafter.config.confidence_top_prob = [0.1, 0.2, 0.3, 0.4]
+        attributes = (sd.HEAD_RNN, 1, 2, 1, 1)
     module = ExportDrafter(drafter)
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 4, target.config.hidden_size, generator=generator)
+    copy = copy_inputs(module)
+    if copy_bias:
+        vocab = drafter.draft_vocab[:3].tolist()
+        copy = (torch.tensor([[-1, vocab[0], vocab[1], vocab[0]], [vocab[2], vocab[2], 5, vocab[2]]]),) + copy[1:]
     args = (drafter.backbone_logits(hidden), hidden, torch.tensor([1, 2]), module.w1, module.w2, *module.gru,
             module.conf_w.detach(), module.conf_b.detach(), module.conf_inv_temps, torch.tensor([0.0, 1.0]),
-            torch.rand(2, 4, generator=generator))
-    args = tuple(a.detach() for a in args) + (sd.HEAD_RNN, 1)
+            torch.rand(2, 4, generator=generator), *copy)
+    args = tuple(a.detach() for a in args) + attributes
     for got, want in zip(torch.ops.dspark.sequential_draft(*args), sd.reference(*args)):
         assert torch.equal(got, want)
     torch.library.opcheck(torch.ops.dspark.sequential_draft.default, args,
@@ -227,6 +244,7 @@ def test_dynamo_exporter_writes_the_same_sequential_draft_node(target, tmp_path)
     nodes = [n for n in model.graph.node if n.domain == "dspark"]
     assert [n.op_type for n in nodes] == ["SequentialDraft"]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
-    assert attrs == {"head": 1, "has_confidence": 1, "plugin_namespace": b"dspark", "plugin_version": b"1"}
+    assert attrs == {"head": 1, "has_confidence": 1, "copy_ngram": 0, "copy_confidence": 0, "top_prob": 0,
+                     "plugin_namespace": b"dspark", "plugin_version": b"1"}
     assert [i.name for i in model.graph.input] == ["context_features", "context_lengths", "anchor_tokens",
                                                    "temperatures", "uniforms"]

@@ -4,7 +4,9 @@ Steps, each reported with its wall time:
 
     1. load      target and drafter (identity checks name the mismatched field), block size check
     2. export    target.onnx, drafter.onnx (SequentialDraft node), drafter_unrolled.onnx (a drafter
-                 with a prefix layer: drafter.onnx alone, its loop in standard ops)
+                 with a prefix layer: drafter.onnx alone, its loop in standard ops); the drafter
+                 graphs are the whole drafter the runtime proposer runs, copy bias and confidence
+                 offsets included (input `context_tokens` with a copy bias: export_drafter.py)
     3. validate  ONNX Runtime vs torch with polygraphy; polygraphy inspect + lint
     4. engines   TensorRT engines when tensorrt imports and a GPU is present, else the reason
     5. profile   latency profile of the serving backend on this machine (runtime/profile.py)
@@ -180,18 +182,13 @@ def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", f
 
 def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progress) -> dict:
     from dspark_trt.builder import onnx_export, validate
-    from dspark_trt.builder.export_drafter import plugin_supported
+    from dspark_trt.builder.export_drafter import input_names, plugin_supported
     from dspark_trt.builder.trt_engines import build_engines, why_no_engines
 
     with step("load", f"target {config.target!r}, drafter {config.drafter!r}"):
         target_spec, drafter_spec = resolve_specs(config)
         target, drafter = load_models(config, target_spec, drafter_spec)
         feature_layers = tuple(drafter.config.feature_layers) if drafter is not None else ()
-        copy_ngram = drafter.config.copy_ngram if drafter is not None else 0
-        if copy_ngram:  # its lookup reads the request's tokens, which the stateless graph is not given
-            progress("note: the drafter's copy bias is left out of the ONNX/TensorRT graphs, which draft without it "
-                     "(verification stays exact; only acceptance is lower); the PyTorch proposer keeps it")
-            drafter.config.copy_bias = []  # what the graphs compute is then what the build validates them against
 
     onnx_dir, report_dir = staging / "onnx", staging / "validation"
     onnx_dir.mkdir()
@@ -258,7 +255,8 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
                              "block_size": c.block_size, "feature_layers": list(c.feature_layers),
                              "draft_vocab_size": int(drafter.draft_vocab.numel()), "confidence": c.confidence,
                              "calibrated": bool(c.confidence_temperatures), "num_layers": c.num_layers,
-                             "prefix_layer": c.prefix_layer, "copy_ngram_outside_graphs": copy_ngram,
+                             "prefix_layer": c.prefix_layer, "copy_ngram": c.copy_ngram,
+                             "graph_inputs": input_names(c),
                              "sequential_head": "SequentialDraft plugin" if plugin else "standard ops"}
         trtllm = None
         if fmt == "trtllm":
@@ -318,7 +316,13 @@ def _summarise_validation(checks: dict, progress) -> None:
         progress(f"      drafter: greedy tokens identical {d['greedy_tokens_identical_onnxruntime']} (ONNX Runtime), "
                  f"{d['greedy_tokens_identical_runtime_proposer']} (runtime proposer); max |diff| probs "
                  f"{d['onnxruntime_vs_torch_max_abs']['distributions']:.2e}, confidences "
-                 f"{d['onnxruntime_vs_torch_max_abs']['confidences']:.2e}")
+                 f"{d['onnxruntime_vs_torch_max_abs']['confidences']:.2e} (runtime proposer "
+                 f"{d['runtime_proposer_confidence_max_abs']:.2e})")
+        copy = d["copy_candidates"]
+        if copy["copy_ngram"]:
+            progress(f"      copy bias (n-grams up to {copy['copy_ngram']}) in the graphs: {copy['total']} copy candidates "
+                     f"in the sample ({copy['in_greedy_rows']} in greedy rows, {copy['from_block_pairs']} from the "
+                     f"block's own tokens), at {copy['slots_with_one']} slots")
     failed = [name for name in ("target", "drafter", "plugin_node") if name in checks and not checks[name]["ok"]]
     failed += [f"polygraphy inspect {n}" for n, e in checks["polygraphy"].items() if not e["inspect_ok"]]
     failed += [f"polygraphy lint {n}" for n, e in checks["polygraphy"].items() if e.get("lint_ok") is False]

@@ -3,13 +3,19 @@
 One call drafts one block for each of B requests, statelessly:
 
     inputs   context_features [B, C, m*D]  raw target features of each request's context (padded)
-             context_lengths  [B] int64    how many rows of context_features are real
+             context_lengths  [B] int64    how many rows of context_features are real (L_b)
              anchor_tokens    [B] int64    the pending (anchor) token, a target id
              temperatures     [B]          0 = greedy
              uniforms         [B, G]       one uniform per block slot (sampling)
+             context_tokens   [B, C] int64 only for a drafter with a copy bias (`copy_ngram > 0`;
+                                           `ExportDrafter.input_names`): the target ids of the
+                                           request's committed tokens before the anchor, i.e. the
+                                           tokens at the positions of context_features' rows,
+                                           left-aligned, L_b real per row (the rest any value);
+                                           the anchor itself comes from anchor_tokens
     outputs  draft_tokens     [B, G] int64 target ids
              token_probs      [B, G]       p_k(x_k)
-             confidences      [B, G]       calibrated c_k
+             confidences      [B, G]       calibrated c_k (confidence offsets included)
              distributions    [B, G, V_d]  p_k over the draft vocabulary (`draft_vocab` maps to target ids)
 
 It computes what `DSparkProposer` computes: fusion, context keys/values, the backbone with the
@@ -18,6 +24,19 @@ weights, written with plain torch ops that `torch.onnx` can trace (the runtime's
 matmuls through numpy and use SDPA's GQA flag). The sequential head is the
 `dspark::sequential_draft` custom op (one `SequentialDraft` ONNX node, for TensorRT) or, with
 `use_plugin=False`, its reference traced into standard ops (for ONNX Runtime on CPU).
+
+The copy bias and the calibrated confidence offsets are in the graph too, as in the runtime:
+slot k's logits get alpha[k, n] on the token that followed the last earlier occurrence of the
+last n tokens (history = context_tokens then the anchor, then the block's tokens drawn so far;
+`models/copy_bias.py`), and its confidence logit beta[k, n] per n-gram length with a candidate
+(`copy_confidence`) and w_k logit(max p_k) (`confidence_top_prob`). The lookup depends on the
+tokens drawn inside the loop, so it lives inside the sequential head: the `SequentialDraft` op
+takes the right-aligned history, the vocabulary maps and alpha, beta, w as extra inputs (with
+attributes `copy_ngram`, `copy_confidence`, `top_prob`), and its torch reference (which the
+TensorRT plugin runs, and which traces into the unrolled graph) computes them with
+`copy_bias.sequence_copy_candidates`, standard tensor ops. A graph without `context_tokens`
+(a drafter without a copy bias) is the graph it was before; TorchScript would drop an unused
+input, so the input is only declared where it is read.
 
 A drafter with a prefix layer (`DrafterConfig.prefix_layer`) has no plugin form: the layer
 corrects slot k's logits from x_{k-1}, which the head draws inside the loop, while the plugin
@@ -34,10 +53,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_trt.models.copy_bias import NO_CANDIDATE, right_aligned_history
 from dspark_trt.models.drafter import DSparkDrafter, RNNHead
 from dspark_trt.plugins import sequential_draft as sd
 
 INPUT_NAMES = ["context_features", "context_lengths", "anchor_tokens", "temperatures", "uniforms"]
+COPY_INPUT_NAMES = ["context_tokens"]  # appended for a drafter with a copy bias (`input_names`)
 OUTPUT_NAMES = ["draft_tokens", "token_probs", "confidences", "distributions"]
 
 
@@ -48,6 +69,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def input_names(config) -> list[str]:
+    """The drafter graph's inputs (module docstring): `context_tokens` too with a copy bias."""
+    return INPUT_NAMES + (COPY_INPUT_NAMES if config.copy_ngram else [])
 
 
 def plugin_supported(config) -> bool:
@@ -84,6 +110,23 @@ class ExportDrafter(nn.Module):
             self.gru = (placeholder,) * 4
         self.conf_w = d.confidence.weight[0] if d.confidence is not None else placeholder
         self.conf_b = d.confidence.bias if d.confidence is not None else placeholder
+        # The copy bias and the confidence offsets (module docstring); placeholders where unused.
+        self.input_names = input_names(c)
+        self.copy_ngram = c.copy_ngram
+        self.copy_confidence = int(bool(c.copy_confidence) and d.confidence is not None)
+        self.top_prob = int(bool(c.confidence_top_prob) and d.confidence is not None)
+        index_placeholder = torch.full((1,), NO_CANDIDATE, dtype=torch.long)
+        self.copy_alpha = torch.tensor(c.copy_bias, dtype=torch.float32) if c.copy_ngram else placeholder.view(1, 1)
+        self.copy_beta = (torch.tensor(c.copy_confidence, dtype=torch.float32) if self.copy_confidence
+                          else placeholder.view(1, 1))
+        self.top_prob_w = (torch.tensor(c.confidence_top_prob[: c.block_size], dtype=torch.float32) if self.top_prob
+                           else placeholder)
+        if c.copy_ngram:  # persistent: one initializer, though each of the G slots reads it (see lm_head_t)
+            self.register_buffer("copy_to_draft", d.to_draft.clone())
+            self.copy_vocab = (d.draft_vocab, self.copy_to_draft)
+        else:
+            self.copy_vocab = (index_placeholder, index_placeholder)
+        self.history_placeholder = index_placeholder.view(1, 1)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[..., None] * self.inv_freq  # [..., head_dim/2]
@@ -112,18 +155,32 @@ class ExportDrafter(nn.Module):
         gate, up = (_rms(x, layer.mlp_norm.weight, self.eps) @ layer.gate_up.weight.t()).chunk(2, dim=-1)
         return x + (torch.nn.functional.silu(gate) * up) @ layer.down.weight.t(), (k, v)
 
-    def forward(self, context_features, context_lengths, anchor_tokens, temperatures, uniforms):
+    def head_weights(self) -> sd.HeadWeights:
+        """What the sequential head reads besides the block (the op's weights and attributes)."""
+        return sd.HeadWeights(self.w1, self.w2, self.gru, self.conf_w, self.conf_b, self.conf_inv_temps, self.head,
+                              int(self.drafter.confidence is not None), *self.copy_vocab, self.copy_alpha,
+                              self.copy_beta, self.top_prob_w, self.copy_ngram, self.copy_confidence, self.top_prob)
+
+    def forward(self, context_features, context_lengths, anchor_tokens, temperatures, uniforms, context_tokens=None):
         d = self.drafter
         hidden, logits, cos, sin = self.backbone(context_features, context_lengths, anchor_tokens)
         anchor_ids = d.to_draft[anchor_tokens]  # draft-vocab ids, V_d = out of vocabulary
+        if self.copy_ngram:  # the request's tokens up to the anchor, right-aligned for the lookup
+            if context_tokens is None:
+                raise ValueError("a drafter with a copy bias drafts from the request's tokens: pass context_tokens")
+            history = right_aligned_history(context_tokens, context_lengths, anchor_tokens)  # [B, C + 1]
+        else:
+            history = self.history_placeholder
         if d.prefix is not None:
             ids, token_probs, confidences, distributions = self._draft_with_prefix(
-                hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms)
+                hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms, history)
         else:
+            w = self.head_weights()
             op = sd.sequential_draft if self.use_plugin else sd.reference
             ids, token_probs, confidences, distributions = op(
-                logits, hidden, anchor_ids, self.w1, self.w2, *self.gru, self.conf_w, self.conf_b, self.conf_inv_temps,
-                temperatures, uniforms, self.head, int(d.confidence is not None))
+                logits, hidden, anchor_ids, w.w1, w.w2, *w.gru, w.conf_w, w.conf_b, w.conf_inv_temps,
+                temperatures, uniforms, history, w.draft_vocab, w.to_draft, w.copy_alpha, w.copy_beta, w.top_prob_w,
+                w.head, w.has_confidence, w.copy_ngram, w.copy_confidence, w.top_prob)
         return d.draft_vocab[ids], token_probs, confidences, distributions
 
     def backbone(self, context_features, context_lengths, anchor_tokens):
@@ -157,13 +214,12 @@ class ExportDrafter(nn.Module):
         hidden = _rms(x, d.final_norm.weight, self.eps)  # [B, G, D]
         return hidden, hidden @ self.lm_head_t, bcos, bsin
 
-    def _draft_with_prefix(self, hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms):
+    def _draft_with_prefix(self, hidden, logits, anchor_tokens, anchor_ids, cos, sin, temperatures, uniforms, history):
         """The sequential head slot by slot, the prefix layer correcting each slot's logits first
         (what `DSparkProposer.propose` and `PrefixLayer.step` do). hidden `[B, G, D]`, logits
         `[B, G, V_d]`, the block's RoPE rows `[B, G, 1, HD]` -> the operator's four outputs."""
         d, prefix = self.drafter, self.drafter.prefix
-        weights = sd.HeadWeights(self.w1, self.w2, self.gru, self.conf_w, self.conf_b, self.conf_inv_temps, self.head,
-                                 int(d.confidence is not None))
+        weights = self.head_weights()
         cache = {"keys": None, "values": None}  # the prefix layer's keys/values of slots 1..k-1, [B, KVH, k-1, HD]
 
         def correct(k, previous, logits_k):  # static k: the graph holds G copies of the layer
@@ -177,4 +233,4 @@ class ExportDrafter(nn.Module):
             correction = _rms(out[:, 0], prefix.norm.weight, self.eps) @ prefix.out.weight.t()  # [B, D]
             return logits_k + correction @ self.lm_head_t  # U(h_k + correction) = U_k + U(correction): U is linear
 
-        return sd.draft_block(logits, hidden, anchor_ids, weights, temperatures, uniforms, correct)
+        return sd.draft_block(logits, hidden, anchor_ids, weights, temperatures, uniforms, correct, history)

@@ -8,6 +8,9 @@ Three graphs, all fp32 with dynamic shapes bounded by the build config:
                            node (for TensorRT, which resolves it to our plugin)
     drafter_unrolled.onnx  the same drafter with the head traced into standard ops (ONNX Runtime, CPU)
 
+The drafter graphs include the copy bias and confidence offsets; with a copy bias they take
+`context_tokens` too (`export_drafter.input_names`, module docstring there).
+
 Example inputs come from `sample_*_inputs` (also what validation feeds). Each exported model
 is checked with `onnx.checker` before it is kept. `exporter` picks torch.export (`dynamo`, the
 supported path) or the legacy TorchScript tracer (`torchscript`: same graphs and the same
@@ -26,9 +29,8 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from dspark_trt.builder.export_drafter import INPUT_NAMES as DRAFTER_INPUTS
 from dspark_trt.builder.export_drafter import OUTPUT_NAMES as DRAFTER_OUTPUTS
-from dspark_trt.builder.export_drafter import ExportDrafter
+from dspark_trt.builder.export_drafter import ExportDrafter, input_names
 from dspark_trt.builder.export_target import INPUT_NAMES as TARGET_INPUTS
 from dspark_trt.builder.export_target import OUTPUT_NAMES as TARGET_OUTPUTS
 from dspark_trt.builder.export_target import ExportTarget
@@ -70,9 +72,30 @@ def sample_target_inputs(target: LoadedTarget, config: BuildConfig, feature_laye
     return feeds, golden
 
 
+def sample_token_ids(drafter, count: int, target_vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` target ids that repeat themselves, as requests that copy do: drawn from a small pool
+    (mostly draft-vocabulary tokens, a few outside it, so some followers have no draft id), with a
+    motif of draft-vocabulary tokens at the start whose beginning the sequence ends on. The last token is the anchor, so
+    slot 1's lookup finds n-gram matches of several lengths, and a block that drafts the motif's
+    continuation makes matches inside the block too: the copy bias's path is exercised."""
+    inside = drafter.draft_vocab[torch.randperm(drafter.draft_vocab.numel(), generator=generator)[:12]]
+    outside = torch.randperm(target_vocab_size, generator=generator)
+    outside = outside[drafter.to_draft[outside] == drafter.draft_vocab.numel()][:4]  # outside the draft vocabulary
+    pool = torch.cat([inside, outside])
+    ids = pool[torch.randint(0, pool.numel(), (count,), generator=generator)]
+    motif_length = max(2, min(drafter.config.copy_ngram + 2, count // 3))
+    if count >= 2 * motif_length - 1:
+        motif = inside[torch.randint(0, inside.numel(), (motif_length,), generator=generator)]  # followers with draft ids
+        ids[:motif_length] = motif
+        ids[count - (motif_length - 1) :] = motif[: motif_length - 1]  # ends on the motif's start: the anchor copies
+    return ids
+
+
 def sample_drafter_inputs(target: LoadedTarget, drafter, config: BuildConfig) -> dict[str, torch.Tensor]:
-    """Context features from the real target (prompts through the target's feature layers),
-    anchors, temperatures mixing greedy and sampled rows, and uniforms."""
+    """The drafter graph's inputs (`export_drafter.input_names`): context features from the real
+    target (prompts through the target's feature layers), anchors, temperatures mixing greedy and
+    sampled rows, uniforms, and for a drafter with a copy bias the prompts' token ids. The
+    prompts repeat n-grams (`sample_token_ids`) so that the copy bias has candidates to add."""
     v = config.validation
     generator = torch.Generator().manual_seed(v.seed + 1)
     layers = tuple(drafter.config.feature_layers)
@@ -81,15 +104,19 @@ def sample_drafter_inputs(target: LoadedTarget, drafter, config: BuildConfig) ->
     pool = target.model.new_pool(n, v.context_tokens + 1)
     width = len(layers) * target.config.hidden_size
     features = torch.zeros(n, max(lengths), width)
+    tokens = torch.zeros(n, max(lengths), dtype=torch.long)  # left-aligned, zero padding
     anchors = []
     for i, length in enumerate(lengths):
-        ids = torch.randint(0, target.config.vocab_size, (length + 1,), generator=generator)
+        ids = sample_token_ids(drafter, length + 1, target.config.vocab_size, generator)
         out = target.model(ids[:length], [length], [pool.allocate()], torch.tensor([length - 1]), layers)
         features[i, :length] = out.features
+        tokens[i, :length] = ids[:length]
         anchors.append(int(ids[length]))
     temperatures = torch.tensor([(0.0, 1.0, 0.0, 0.7)[i % 4] for i in range(n)])  # greedy and sampled rows
-    return {"context_features": features, "context_lengths": torch.tensor(lengths), "anchor_tokens": torch.tensor(anchors),
-            "temperatures": temperatures, "uniforms": torch.rand(n, drafter.config.block_size, generator=generator)}
+    feeds = {"context_features": features, "context_lengths": torch.tensor(lengths),
+             "anchor_tokens": torch.tensor(anchors), "temperatures": temperatures,
+             "uniforms": torch.rand(n, drafter.config.block_size, generator=generator), "context_tokens": tokens}
+    return {name: feeds[name] for name in input_names(drafter.config)}
 
 
 def _dim(name: str, shape_range) -> Dim:
@@ -141,9 +168,14 @@ def export_target(target: LoadedTarget, feature_layers: tuple[int, ...], config:
 
 
 def export_drafter(drafter, config: BuildConfig, feeds: dict, path: Path, use_plugin: bool) -> None:
+    """Export `ExportDrafter`; its inputs are `input_names(drafter.config)` (`context_tokens` with
+    a copy bias), each taken from `feeds` by name."""
     s = config.drafter_shapes
     batch, context = _dim("num_requests", s.num_requests), _dim("context", s.context)
+    module = ExportDrafter(drafter, use_plugin=use_plugin)
     dynamic = {"context_features": {0: batch, 1: context}, "context_lengths": {0: batch},
-               "anchor_tokens": {0: batch}, "temperatures": {0: batch}, "uniforms": {0: batch}}
-    _export(ExportDrafter(drafter, use_plugin=use_plugin), feeds, DRAFTER_INPUTS, DRAFTER_OUTPUTS, dynamic, path, config,
+               "anchor_tokens": {0: batch}, "temperatures": {0: batch}, "uniforms": {0: batch},
+               "context_tokens": {0: batch, 1: context}}
+    dynamic = {name: dynamic[name] for name in module.input_names}
+    _export(module, feeds, module.input_names, DRAFTER_OUTPUTS, dynamic, path, config,
             plugin=use_plugin, output_axes={name: {0: "num_requests"} for name in DRAFTER_OUTPUTS})

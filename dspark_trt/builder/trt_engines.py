@@ -61,10 +61,13 @@ def _profiles(config: BuildConfig, which: str, hidden: tuple[int, ...]) -> dict[
                 "token_slots": triple(s.batch_tokens), "logits_indices": triple(s.num_logits),
                 "past_keys": kv, "past_values": kv}
     s = config.drafter_shapes
-    (feature_width, block) = hidden
-    return {"context_features": triple(s.num_requests, s.context, feature_width),
-            "context_lengths": triple(s.num_requests), "anchor_tokens": triple(s.num_requests),
-            "temperatures": triple(s.num_requests), "uniforms": triple(s.num_requests, block)}
+    (feature_width, block, copy_bias) = hidden
+    shapes = {"context_features": triple(s.num_requests, s.context, feature_width),
+              "context_lengths": triple(s.num_requests), "anchor_tokens": triple(s.num_requests),
+              "temperatures": triple(s.num_requests), "uniforms": triple(s.num_requests, block)}
+    if copy_bias:  # the committed tokens the copy bias looks up (export_drafter.input_names)
+        shapes["context_tokens"] = triple(s.num_requests, s.context)
+    return shapes
 
 
 def build_engine(onnx_path: Path, plan_path: Path, profile: dict, config: BuildConfig, progress=print) -> dict:
@@ -123,6 +126,7 @@ def build_engines(onnx_dir: Path, engine_dir: Path, config: BuildConfig, target_
     if drafter_config is not None:
         width = len(drafter_config.feature_layers) * drafter_config.hidden_size
         built["drafter"] = build_engine(onnx_dir / "drafter.onnx", engine_dir / "drafter.plan",
-                                        _profiles(config, "drafter", (width, drafter_config.block_size)),
+                                        _profiles(config, "drafter", (width, drafter_config.block_size,
+                                                                  bool(drafter_config.copy_ngram))),
                                         config, progress)
     return built

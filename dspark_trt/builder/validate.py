@@ -7,7 +7,12 @@ Checks, each with the maximum absolute differences it measured:
 - drafter: `drafter_unrolled.onnx` (with a prefix layer: `drafter.onnx`, which has no plugin
   node) in ONNX Runtime against ExportDrafter in torch (the SequentialDraft custom op), and
   ExportDrafter against the runtime's `DSparkProposer` on the greedy rows (identical draft
-  tokens, confidences);
+  tokens, confidences within `probs_atol`): the whole drafter, copy bias and calibrated
+  confidence offsets included, so the graphs and the runtime are the same model. The sample
+  prompts repeat n-grams (`onnx_export.sample_token_ids`) and the proposer is given them as the
+  requests' tokens; the report counts the copy candidates the runtime's own lookup
+  (`CopyIndex`/`BlockCopyBias`) found on the drafted blocks, and a drafter with a copy bias
+  fails validation when the sample had none (the comparison would not have covered it);
 - `drafter.onnx` holds exactly one `dspark::SequentialDraft` node with the TensorRT plugin
   attributes (none with a prefix layer), and `polygraphy inspect model` reads every graph;
   `polygraphy check lint` runs on the graphs ONNX Runtime can execute (a plugin graph needs
@@ -115,9 +120,19 @@ def check_plugin_node(path: Path, expected: int = 1) -> dict:
             "ok": len(nodes) == expected and (expected == 0 or plugin_attrs_ok)}
 
 
+def history_of(feeds: dict[str, torch.Tensor], row: int) -> list[int]:
+    """Row `row`'s committed tokens before the anchor (`context_tokens`; zeros for a graph without
+    that input, whose drafter does not read tokens)."""
+    length = int(feeds["context_lengths"][row])
+    if "context_tokens" in feeds:
+        return feeds["context_tokens"][row, :length].tolist()
+    return [0] * length
+
+
 @torch.inference_mode()
 def runtime_greedy_drafts(drafter, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy blocks and confidences from the runtime's own `DSparkProposer` for every row."""
+    """Greedy blocks and confidences from the runtime's own `DSparkProposer` for every row (its
+    prompt is the row's `context_tokens`, its pending token the anchor)."""
     from dspark_trt.runtime.dspark_proposer import DSparkProposer
     from dspark_trt.runtime.request import Request
     from dspark_trt.runtime.sampling import SamplingParams
@@ -126,7 +141,7 @@ def runtime_greedy_drafts(drafter, feeds: dict[str, torch.Tensor]) -> tuple[torc
     tokens, confidences = [], []
     for i in range(feeds["anchor_tokens"].shape[0]):
         length = int(feeds["context_lengths"][i])
-        request = Request(f"validate-{i}", [0] * length, SamplingParams(temperature=0.0), torch.Generator())
+        request = Request(f"validate-{i}", history_of(feeds, i), SamplingParams(temperature=0.0), torch.Generator())
         request.output_token_ids = [int(feeds["anchor_tokens"][i])]
         proposer.observe(request, feeds["context_features"][i, :length])
         draft = proposer.propose([request])[0]
@@ -134,6 +149,37 @@ def runtime_greedy_drafts(drafter, feeds: dict[str, torch.Tensor]) -> tuple[torc
         confidences.append(draft.confidences if draft.confidences is not None else torch.ones(len(draft.tokens)))
         proposer.release(request)
     return torch.stack(tokens), torch.stack(confidences)
+
+
+def count_copy_candidates(drafter, feeds: dict[str, torch.Tensor], draft_tokens: torch.Tensor) -> dict:
+    """How many copy candidates (slot, n-gram length, in the draft vocabulary) the runtime's own
+    lookup (`CopyIndex`, `BlockCopyBias`) finds for each row's history and drafted block
+    `draft_tokens` `[B, G]` (target ids): per row, the (row, slot)s with at least one, and how many
+    came from pairs the block's own tokens made (newer than any in the history)."""
+    from dspark_trt.models.copy_bias import NO_CANDIDATE, BlockCopyBias, CopyIndex
+
+    config = drafter.config
+    if not config.copy_ngram:
+        return {"copy_ngram": 0, "total": 0, "per_row": [], "slots_with_one": 0, "from_block_pairs": 0}
+    to_draft, vocab_size = drafter.to_draft.tolist(), drafter.draft_vocab.numel()
+    per_row, slots, from_block = [], 0, 0
+    for i in range(draft_tokens.shape[0]):
+        index = CopyIndex(config.copy_ngram)
+        index.extend(history_of(feeds, i) + [int(feeds["anchor_tokens"][i])])
+        copy = BlockCopyBias(config.copy_bias, [index], to_draft, vocab_size)
+        for k, token in enumerate(draft_tokens[i].tolist()):
+            tail, block = copy.tails[0], copy.blocks[0]  # before slot k: pairs the block made so far
+            in_block = [block[n - 1].get(tuple(tail[-n:])) if len(tail) >= n else None
+                        for n in range(1, config.copy_ngram + 1)]
+            copy.add_to(torch.zeros(1, vocab_size), k)
+            from_block += sum(1 for newer, found in zip(in_block, copy.found[-1])
+                              if newer is not None and found != NO_CANDIDATE)
+            copy.advance([token])
+        found = copy.candidates()[0]  # [G, N]
+        per_row.append(int((found != NO_CANDIDATE).sum()))
+        slots += int((found != NO_CANDIDATE).any(-1).sum())
+    return {"copy_ngram": config.copy_ngram, "total": sum(per_row), "per_row": per_row, "slots_with_one": slots,
+            "from_block_pairs": from_block}
 
 
 def validate_target(target, feature_layers, config: BuildConfig, feeds, runtime_golden, onnx_path: Path,
@@ -163,11 +209,12 @@ def validate_target(target, feature_layers, config: BuildConfig, feeds, runtime_
 
 
 def validate_drafter(drafter, config: BuildConfig, feeds, onnx_path: Path, report_dir: Path) -> dict:
+    """`feeds`: the graph's inputs (`onnx_export.sample_drafter_inputs`)."""
     from dspark_trt.builder.export_drafter import OUTPUT_NAMES, ExportDrafter
 
     v = config.validation
     with torch.inference_mode():
-        exported = ExportDrafter(drafter, use_plugin=True)(*feeds.values())
+        exported = ExportDrafter(drafter, use_plugin=True)(**feeds)
     golden = dict(zip(OUTPUT_NAMES, (t.numpy() for t in exported)))
     atol = {"draft_tokens": 0.0, "token_probs": v.probs_atol, "confidences": v.probs_atol,
             "distributions": v.probs_atol}
@@ -178,10 +225,17 @@ def validate_drafter(drafter, config: BuildConfig, feeds, onnx_path: Path, repor
     greedy_runtime_equal = bool((runtime_tokens.numpy()[greedy] == golden["draft_tokens"][greedy]).all())
     conf_diff = float(np.abs(runtime_conf.numpy()[greedy] - golden["confidences"][greedy]).max()) if greedy.any() else 0.0
     diffs = _max_diffs(ort_out, golden)
+    # the runtime's own lookup on the blocks it drafted (greedy rows) and the graph drafted (the others)
+    drafted = torch.where(torch.from_numpy(greedy)[:, None], runtime_tokens, torch.from_numpy(golden["draft_tokens"]))
+    candidates = count_copy_candidates(drafter, feeds, drafted)
+    greedy_candidates = sum(n for n, g in zip(candidates["per_row"], greedy) if g)
+    copy_exercised = not drafter.config.copy_ngram or greedy_candidates > 0
     ok = (polygraphy_ok and greedy_ort_equal and greedy_runtime_equal and conf_diff <= v.probs_atol
-          and all(diffs[k] <= atol[k] for k in atol))
+          and all(diffs[k] <= atol[k] for k in atol) and copy_exercised)
     return {"ok": ok, "polygraphy_ok": polygraphy_ok, "tolerances": atol, "onnxruntime_vs_torch_max_abs": diffs,
             "greedy_rows": int(greedy.sum()), "greedy_tokens_identical_onnxruntime": greedy_ort_equal,
             "greedy_tokens_identical_runtime_proposer": greedy_runtime_equal,
             "sampled_tokens_identical_onnxruntime": bool((ort_out["draft_tokens"] == golden["draft_tokens"]).all()),
-            "runtime_proposer_confidence_max_abs": conf_diff}
+            "runtime_proposer_confidence_max_abs": conf_diff,
+            "copy_candidates": {**candidates, "in_greedy_rows": greedy_candidates, "exercised": copy_exercised},
+            "graph_inputs": list(feeds)}

@@ -165,3 +165,66 @@ class BlockCopyBias:
         for i, (index, token) in enumerate(zip(self.indexes, tokens)):
             index.add_block_pair(self.blocks[i], self.tails[i], token)
             self.tails[i] = (self.tails[i] + [token])[-index.max_ngram :]
+
+
+# ---- the same lookup in tensor ops (the exported drafter graph) ------------------------------------
+
+
+def right_aligned_history(tokens: torch.Tensor, lengths: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Left-aligned, padded token rows -> the layout `sequence_copy_candidates` reads.
+
+    tokens `[B, C]` (row b's first `lengths[b]` entries are real, the rest any value), lengths
+    `[B]`, last `[B]` (the token after them: the request's pending/anchor token) -> `[B, C + 1]`:
+    each row's `lengths[b]` tokens then `last[b]`, right-aligned, NO_CANDIDATE to their left.
+    Standard ops only (gather, compare, where), so it traces into an ONNX graph."""
+    extended = torch.cat([tokens, last[:, None]], dim=1)  # [B, C + 1]; the anchor is put in place below
+    columns = torch.arange(extended.shape[1], device=tokens.device)[None]  # [1, C + 1]: 0 .. C (traced as dynamic)
+    extended = torch.where(columns == lengths[:, None], last[:, None], extended)  # anchor at index lengths[b]
+    source = columns - (columns[:, -1:] - lengths[:, None])  # output column t reads index t - (C - lengths[b])
+    gathered = extended.gather(1, source.clamp(min=0))
+    return torch.where(source >= 0, gathered, torch.full_like(gathered, NO_CANDIDATE))
+
+
+def sequence_copy_candidates(sequence: torch.Tensor, max_ngram: int) -> torch.Tensor:
+    """`copy_candidates` at the last position, for a batch of rows, in tensor ops (no Python
+    loop over positions, no data-dependent shapes: it traces into standard ONNX ops).
+
+    sequence `[B, P]` target ids, each row's tokens right-aligned with NO_CANDIDATE to their
+    left (`right_aligned_history`, then the block's drafted tokens appended) -> `[B, max_ngram]`:
+    c_n is the token after the last j < P - 1 whose n tokens ending at j equal the n tokens
+    ending at P - 1, or NO_CANDIDATE when there is none or the row has fewer than n tokens.
+    This is what `CopyIndex.candidates` answers with a block's pairs (the drafted tokens are the
+    latest positions, so a match among them is the newest); tests check it against both."""
+    # One more pad column than the longest n-gram: windows j = -1 .. P-2, so there is always one
+    # (j = -1 reads padding and never matches), and a window's tokens before the row are padding.
+    padded = torch.nn.functional.pad(sequence, (max_ngram + 1, 0), value=NO_CANDIDATE)  # [B, N + 1 + P]
+    followers = torch.arange(sequence.shape[1], device=sequence.device, dtype=torch.float32)[None]  # [1, P]: j + 1
+    match, found = None, []
+    for i in range(max_ngram):  # n = i + 1: the n-gram's i-th token from its end
+        window = padded[:, max_ngram - i : -1 - i]  # [B, P]: the token i before each window's end j
+        query = padded[:, -1 - i :][:, :1]  # [B, 1]: the token i before the last position
+        equal = window == query
+        match = equal if match is None else match & equal  # windows whose last i + 1 tokens equal the query's
+        last = torch.where(match, followers, torch.full_like(followers, -1.0)).amax(-1)  # [B]: newest match's j + 1
+        follower = sequence.gather(1, last.clamp(min=0).long()[:, None])[:, 0]
+        real = (last >= 0) & (query[:, 0] != NO_CANDIDATE)  # a match, and the row has n tokens (padding never matches)
+        found.append(torch.where(real, follower, torch.full_like(follower, NO_CANDIDATE)))
+    return torch.stack(found, dim=-1)
+
+
+def draft_copy_candidates(candidates: torch.Tensor, to_draft: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target-id candidates `[..., N]` -> draft-vocabulary ids, NO_CANDIDATE where there is none or
+    it lies outside the draft vocabulary (`to_draft` maps those to `vocab_size`), as `BlockCopyBias`."""
+    columns = to_draft[candidates.clamp(min=0)]
+    present = (candidates != NO_CANDIDATE) & (columns < vocab_size)
+    return torch.where(present, columns, torch.full_like(columns, NO_CANDIDATE))
+
+
+def add_copy_bias(logits: torch.Tensor, alpha_k: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """logits `[B, V_d]` of one slot plus alpha_k[n] `[N]` on each row's draft-id candidate `[B, N]`,
+    n by n in order (the additions `BlockCopyBias.add_to` makes, in its order); out of place."""
+    columns = torch.arange(logits.shape[-1], device=logits.device)[None]  # [1, V_d]
+    for n in range(candidates.shape[-1]):
+        hit = columns == candidates[:, n : n + 1]  # [B, V_d]; NO_CANDIDATE hits nothing
+        logits = logits + torch.where(hit, alpha_k[n], torch.zeros_like(logits))
+    return logits

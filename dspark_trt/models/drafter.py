@@ -48,11 +48,21 @@ from dspark_trt.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from dspark_trt.models.target import rms_norm
 
 
+# logit(1 - 1e-6): the ceiling, so that a distribution with all its mass on one token stays finite
+TOP_PROBABILITY_LOGIT_CAP = 13.815509557963773
+
+
 def top_probability_logit(logits: torch.Tensor) -> torch.Tensor:
-    """Logits `[..., V]` -> logit(max softmax probability) `[...]` in fp32, kept finite near 1."""
+    """Logits `[..., V]` -> logit(max softmax probability) `[...]` in fp32, at most the cap.
+
+    logit(p_top) = log p_top - log(1 - p_top) = -logsumexp(others - top), computed that way: the
+    form `log_top - log1p(-exp(log_top))` with `log_top = max - logsumexp` cancels catastrophically
+    when p_top is within ~1e-4 of 1 (a strong copy bias does that), and two correct
+    implementations (PyTorch, ONNX Runtime) then disagreed by ~1e-3 in the confidence."""
     logits = logits.float()
-    log_top = (logits.max(-1).values - logits.logsumexp(-1)).clamp(max=-1e-6)
-    return log_top - torch.log1p(-log_top.exp())
+    top = logits.max(-1, keepdim=True)
+    others = logits.scatter(-1, top.indices, float("-inf"))
+    return (-(others - top.values).logsumexp(-1)).clamp(max=TOP_PROBABILITY_LOGIT_CAP)
 
 
 class RMSNorm(nn.Module):
