@@ -14,8 +14,8 @@ def dtype_option(command):
     """`--dtype`: the weights of the target and the drafter (`models/linear.py`)."""
     return click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=DEFAULT_DTYPE, show_default=True,
                         help="Weights of the target and drafter: bfloat16 (bf16 weight matrices, fp32 activations; "
-                             "faster, and batch invariant where our AVX-512 CPU kernels run), float32 (the exact "
-                             "reference), or auto (bfloat16 where our CPU kernels run, else float32).")(command)
+                             "faster, and batch invariant where our CPU kernels run: AVX-512 or AVX2+FMA), float32 "
+                             "(the exact reference), or auto (bfloat16 where our CPU kernels run, else float32).")(command)
 
 
 def features_dtype_option(command):

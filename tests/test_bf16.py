@@ -1,13 +1,15 @@
 """The bf16 engine: our packed kernel, bf16-vs-fp32 accuracy, and batch invariance at full speed.
 
 `--dtype bfloat16` rounds weight matrices to bf16 and keeps activations in fp32. On a CPU with
-AVX-512 the products and the attention run through `kernels/cpu_kernels.c`, whose results for
-one token do not depend on the other tokens of a call; with the rest of the CPU forward pass
+AVX-512 or AVX2 the products and the attention run through `kernels/cpu_kernels.c` (one source,
+built per ISA, bit-identical results on both: checked here), whose results for one token do not
+depend on the other tokens of a call; with the rest of the CPU forward pass
 (row-wise norms and elementwise ops, checked here) that makes a request's logits bit-identical
 whatever else shares its steps, so greedy speculative output equals plain decoding under any
 load without the slow `--batch-invariant` mode.
 """
 
+import json
 import os
 import random
 import subprocess
@@ -140,6 +142,184 @@ print(model(torch.arange(1, 20), [19], [pool.allocate()]).logits.tolist())
     # The fallback also rounds activations to bf16 (oneDNN): close, not equal.
     assert not torch.equal(fallback, ours)
     torch.testing.assert_close(fallback, ours, rtol=0.02, atol=0.02 * float(ours.abs().max()))
+
+
+# ---- one kernel source, two ISAs ------------------------------------------------------------
+
+# Run in a child process per ISA (`DSPARK_TRT_KERNEL_ISA` is read once per process): matmuls over
+# 1-16 rows and odd shapes (row and column tails, a group's unused half), attention over head
+# dims that take the masked and multi-pass paths, argmax, and whole decoder passes (prefill chunks
+# beside decode tokens, biased qkv) of tiny targets. Saves every output.
+ISA_WORKLOAD = r"""
+import json, sys
+import dspark_trt
+import torch
+from dspark_trt.kernels import cpu_kernels
+from dspark_trt.models.loading import load_target
+
+wanted, folders, output = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+assert cpu_kernels.isa() == wanted, (cpu_kernels.isa(), cpu_kernels.unavailable_reason())
+generator = torch.Generator().manual_seed(0)
+results = {}
+for in_features, out_features in ((577, 33), (64, 97), (130, 1000), (31, 161)):
+    weight = torch.randn(in_features, out_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    packed = cpu_kernels.PackedWeight(weight)
+    for rows in range(1, 17):
+        results[f"matmul {in_features}x{out_features} rows {rows}"] = cpu_kernels.matmul(
+            torch.randn(rows, in_features, generator=generator), packed, bias)
+for head_dim in (16, 80, 144):
+    keys, values = (torch.randn(3, 2, 96, head_dim, generator=generator) for _ in range(2))
+    q = torch.randn(12, 6, head_dim, generator=generator)
+    slots = torch.tensor([0] * 5 + [1] + [2] * 6)
+    positions = torch.cat([torch.arange(40, 45), torch.tensor([7]), torch.arange(85, 91)])
+    results[f"attention {head_dim}"] = cpu_kernels.attention(q, keys, values, slots, positions)
+logits = torch.randn(5, 4099, generator=generator)
+logits[1, 7] = float("nan")
+logits[3, 100:200] = 5.0
+results["argmax"] = cpu_kernels.argmax(logits)
+for name, folder in folders.items():
+    model = load_target(folder, torch.bfloat16).model
+    assert model._runs_cpu_kernels()  # one C pass per step
+    pool = model.new_pool(2, 64)
+    caches = [pool.allocate(), pool.allocate()]
+    tokens = torch.randint(0, model.config.vocab_size, (40,), generator=generator)
+    steps = []
+    for counts, chunk in (([23, 5], tokens[:28]), ([1, 7], tokens[28:36]), ([3, 1], tokens[36:40])):
+        out = model(chunk, counts, caches, feature_layers=(1,))
+        steps.append((out.logits, out.features))
+    results[f"decoder {name}"] = steps
+    results[f"decoder {name} keys"] = pool.keys.clone()
+torch.save(results, output)
+"""
+
+
+@pytest.fixture(scope="module")
+def isa_outputs(tiny_factory, tmp_path_factory):
+    """ISA -> its child's outputs, or the reason this CPU cannot run it (each child runs once)."""
+    folders = {architecture: str(tiny_factory(architecture)) for architecture in ("llama", "qwen2")}
+    found = {}
+
+    def outputs(isa: str) -> dict:
+        if isa not in found:
+            chosen, why_not = cpu_kernels.choose_isa(isa)
+            if chosen is None:
+                found[isa] = why_not
+            else:
+                path = tmp_path_factory.mktemp("isa") / f"{isa}.pt"
+                env = {**os.environ, "DSPARK_TRT_KERNEL_ISA": isa}
+                env.pop("DSPARK_TRT_BF16_KERNEL", None)
+                result = subprocess.run([sys.executable, "-c", ISA_WORKLOAD, isa, json.dumps(folders), str(path)],
+                                        capture_output=True, text=True, env=env, timeout=300)
+                assert result.returncode == 0, result.stderr[-3000:]
+                found[isa] = torch.load(path)
+        if isinstance(found[isa], str):
+            pytest.skip(f"this CPU cannot run the {isa} build: {found[isa]}")
+        return found[isa]
+
+    outputs.folders = folders
+    return outputs
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", list(cpu_kernels.ISAS))
+def test_each_isa_build_computes_the_fp32_reference(isa_outputs, isa):
+    """Each ISA's build against PyTorch in fp32 (float64 for the matmuls) on the same bf16-rounded
+    weights: within fp32 rounding everywhere, the same argmax as torch."""
+    from dspark_trt.models.target import grouped_attention
+
+    got = isa_outputs(isa)
+    generator = torch.Generator().manual_seed(0)  # the child's draws, in its order
+    for in_features, out_features in ((577, 33), (64, 97), (130, 1000), (31, 161)):
+        weight = torch.randn(in_features, out_features, generator=generator) * 0.05
+        bias = torch.randn(out_features, generator=generator)
+        rounded = weight.bfloat16().double()
+        for rows in range(1, 17):
+            x = torch.randn(rows, in_features, generator=generator).double()
+            out = got[f"matmul {in_features}x{out_features} rows {rows}"]
+            assert out.shape == (rows, out_features)
+            scale = (x.abs() @ rounded.abs()).max()  # one fp32 FMA chain per output: K roundings at most
+            assert (out.double() - (x @ rounded + bias.double())).abs().max() <= 1e-6 * scale + 1e-6, (rows, out_features)
+    for head_dim in (16, 80, 144):
+        keys, values = (torch.randn(3, 2, 96, head_dim, generator=generator) for _ in range(2))
+        q = torch.randn(12, 6, head_dim, generator=generator)
+        start = 0
+        for slot, (length, count) in enumerate(((40, 5), (7, 1), (85, 6))):
+            reference = grouped_attention(q[start : start + count].transpose(0, 1), keys[slot, :, : length + count],
+                                          values[slot, :, : length + count], length)
+            torch.testing.assert_close(got[f"attention {head_dim}"][start : start + count], reference, rtol=1e-5,
+                                       atol=1e-5)
+            start += count
+    logits = torch.randn(5, 4099, generator=generator)
+    logits[1, 7] = float("nan")
+    logits[3, 100:200] = 5.0
+    assert torch.equal(got["argmax"], logits.argmax(-1))
+    for name, folder in isa_outputs.folders.items():
+        model = load_target(folder, torch.bfloat16).model.float()  # the same rounded weights, PyTorch fp32 ops
+        assert not model._runs_cpu_kernels()
+        pool = model.new_pool(2, 64)
+        caches = [pool.allocate(), pool.allocate()]
+        tokens = torch.randint(0, model.config.vocab_size, (40,), generator=generator)
+        chunks = (([23, 5], tokens[:28]), ([1, 7], tokens[28:36]), ([3, 1], tokens[36:40]))
+        for (counts, chunk), (logits, features) in zip(chunks, got[f"decoder {name}"]):
+            reference = model(chunk, counts, caches, feature_layers=(1,))
+            assert (logits - reference.logits).abs().max() < 1e-4 * reference.logits.abs().max(), name
+            assert torch.equal(logits.argmax(-1), reference.logits.argmax(-1)), name
+            assert (features - reference.features).abs().max() < 1e-4 * reference.features.abs().max(), name
+        assert (got[f"decoder {name} keys"] - pool.keys).abs().max() < 1e-4 * pool.keys.abs().max(), name
+
+
+@needs_kernel
+def test_the_avx2_and_avx512_builds_give_bit_identical_results(isa_outputs):
+    """The same operations in the same order on both ISAs (a 16-lane vector is one zmm or two ymm;
+    the reductions and exp are built to match), and one packed weight layout: every output of
+    the workload, bit for bit."""
+    avx512, avx2 = isa_outputs("avx512"), isa_outputs("avx2")
+    assert avx512.keys() == avx2.keys()
+    for name in avx512:
+        if name.startswith("decoder") and not name.endswith("keys"):
+            for (logits, features), (logits2, features2) in zip(avx512[name], avx2[name]):
+                assert torch.equal(logits, logits2) and torch.equal(features, features2), name
+        else:
+            assert torch.equal(avx512[name], avx2[name]), name
+
+
+def test_the_kernel_isa_is_the_best_the_cpu_has_or_the_one_asked_for():
+    """avx512 needs F and BW, avx2 needs AVX2 and FMA; `auto` takes the best present; a forced ISA
+    the CPU lacks, or an unknown name, leaves the kernels off with a reason that names it."""
+    zen4 = {"sse2", "avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    zen3 = {"sse2", "avx", "avx2", "fma"}
+    assert cpu_kernels.choose_isa("auto", zen4) == ("avx512", None)
+    assert cpu_kernels.choose_isa("", zen4) == ("avx512", None)
+    assert cpu_kernels.choose_isa("avx2", zen4) == ("avx2", None)
+    assert cpu_kernels.choose_isa("AVX2", zen4) == ("avx2", None)
+    assert cpu_kernels.choose_isa("auto", zen3) == ("avx2", None)
+    assert cpu_kernels.choose_isa("auto", zen4 - {"avx512bw"}) == ("avx2", None)  # Knights Landing: F, no BW
+    assert cpu_kernels.choose_isa("auto", {"sse2", "avx", "avx2"})[0] is None  # AVX2 without FMA: none
+    isa, why = cpu_kernels.choose_isa("avx512", zen3)
+    assert isa is None and "DSPARK_TRT_KERNEL_ISA=avx512" in why and "avx512f, avx512bw" in why
+    isa, why = cpu_kernels.choose_isa("auto", {"sse2", "avx"})
+    assert isa is None and "avx2 and fma" in why and "avx512f and avx512bw" in why
+    isa, why = cpu_kernels.choose_isa("neon", zen4)
+    assert isa is None and "'neon'" in why and "auto, avx512, avx2" in why
+    assert cpu_kernels.supported_isas(zen4) == ["avx512", "avx2"]
+    assert cpu_kernels.supported_isas(zen3) == ["avx2"]
+    assert cpu_kernels.supported_isas({"sse2", "avx"}) == []
+    code = """
+import warnings
+import dspark_trt
+from dspark_trt.kernels import cpu_kernels
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert not cpu_kernels.available() and cpu_kernels.isa() is None
+assert "DSPARK_TRT_KERNEL_ISA='sse9'" in cpu_kernels.unavailable_reason(), cpu_kernels.unavailable_reason()
+assert any("sse9" in str(w.message) for w in caught), [str(w.message) for w in caught]
+"""
+    env = {**os.environ, "DSPARK_TRT_KERNEL_ISA": "sse9"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if cpu_kernels.available():
+        assert cpu_kernels.isa() == cpu_kernels.choose_isa()[0]
 
 
 # ---- the model in bf16 ------------------------------------------------------------------------

@@ -13,17 +13,25 @@
  * order. The weights' rounding to bf16 is the only difference with an fp32 matmul.
  *
  * Layout: W [K, N] as groups of 64 columns, each group contiguous: wp[group][k][64]
- * (128 bytes per k: one stream per group, which hardware prefetchers follow). A tile of up to
- * ROWS rows keeps ROWS x 4 accumulators of 16 floats in registers for the whole K loop.
- * Threads split the groups; more rows are more tiles over the same group, re-read from L1/L2.
+ * (128 bytes per k: one stream per group, which hardware prefetchers follow). A register tile
+ * (TILE_ROWS rows x the group, or fewer columns on ISAs with fewer registers) keeps its
+ * accumulators of 16 floats in registers for the whole K loop. Threads split the groups; more
+ * rows are more tiles over the same group, re-read from L1/L2.
  *
  * Threads: our own small pool, not OpenMP. A step makes ~120 of these calls, each 0.05-5 ms.
  * Waking sleeping threads for each (OpenMP with OMP_WAIT_POLICY=PASSIVE, which the runtime
  * needs so that PyTorch's threads do not spin against numpy's BLAS threads) cost ~40 ms per
  * step here; so our workers spin for a short while after each call (SPIN_NS) and only then
  * sleep, without changing how PyTorch's or numpy's threads wait.
+ *
+ * ISAs: one source, built once per instruction set (`cpu_kernels.py` picks the build by the CPU).
+ * The kernels are written once over the small vector layer below (as ggml-cpu's
+ * simd-mappings.h): a "vector" is 16 fp32 lanes, one zmm register under AVX-512 (F + BW), two ymm
+ * registers under AVX2 + FMA. Everything ISA-specific lives in that layer, plus the few register
+ * tile sizes that differ (TILE_*, SCORE_KEYS, VALUE_PANELS below), which change how much work
+ * one pass keeps in registers, never the arithmetic: both builds do the same operations on the
+ * same values in the same order, so their results are bit-identical (tested).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -32,76 +40,360 @@
 #include <time.h>
 
 #define GROUP 64   /* columns per group: 4 panels of 16 */
-#define ROWS 6     /* rows per tile: 6 x 4 accumulators + a weight and a broadcast register */
 #define PREFETCH 2048  /* elements ahead (4 KB) in the group's stream */
+
+/* ---- the vector layer ------------------------------------------------------------------------
+ *
+ * vf: 16 fp32 lanes; vi: 16 int32 lanes; vmask: a 16-bit lane mask (bit i: lane i), for the
+ * masked loads and stores of row tails (a masked-out lane is neither read nor written, so a
+ * tail never touches memory past its row); vcmp: a per-lane comparison result. */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void cpu_relax(void) { _mm_pause(); }  /* in spin-waits */
+static inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }  /* into L1 */
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+#define KERNEL_ISA "avx512"
+/* GEMM tiles, (rows, panels of 16 columns) for blocks of 1..TILE_ROWS rows: up to 6 rows x the
+ * whole group, 24 accumulators + the weights and a broadcast in 32 zmm. */
+#define TILE_ROWS 6
+#define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 4) T(4, 4) T(5, 4) T(6, 4)
+#define SCORE_KEYS 16  /* keys whose dot products one pass over q keeps in registers */
+#define VALUE_PANELS 4 /* 16-float panels of a value row one pass keeps (even and odd chains) */
+
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __mmask16 vmask;
+typedef __mmask16 vcmp;
+
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_load(const float *p) { return _mm512_load_ps(p); }  /* 64-byte aligned */
+static inline void vf_store(float *p, vf v) { _mm512_store_ps(p, v); }  /* 64-byte aligned */
+static inline vf vf_load_mask(const float *p, vmask m) { return _mm512_maskz_loadu_ps(m, p); }  /* others 0 */
+static inline vf vf_load_mask_or(const float *p, vmask m, vf fill) { return _mm512_mask_loadu_ps(fill, m, p); }
+static inline void vf_store_mask(float *p, vmask m, vf v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline vf vf_keep(vmask m, vf v) { return _mm512_maskz_mov_ps(m, v); }  /* the others 0 */
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }  /* b where either is NaN */
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    /* a * b + c, one rounding */
+static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  /* c - a * b, one rounding */
+static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vf_scale2(vf a, vf n) { return _mm512_scalef_ps(a, n); }  /* a * 2^n, n integral */
+static inline float vf_reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float vf_reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
 
 /* 32 bf16 -> two vectors of 16 fp32, exact (a bf16 is the top half of an fp32): interleaving
  * zeros below each bf16 is one shuffle-port instruction per 16 values, leaving the FMA ports to
  * the FMAs (~10% faster than widening by zero-extend and shift, measured). The shuffle works
  * within 128-bit lanes, so the packing (`PackedWeight`) stores each 32 columns permuted such that
  * the low interleave yields columns 0-15 in order and the high one columns 16-31. */
-static inline void widen32(const uint16_t *w, __m512 *low, __m512 *high) {
+static inline void vf_widen32(const uint16_t *w, vf *low, vf *high) {
     __m512i packed = _mm512_loadu_si512((const void *)w), zero = _mm512_setzero_si512();
     *low = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, packed));
     *high = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, packed));
 }
+static inline vf vf_widen16(const uint16_t *w, int high) {  /* vf_widen32's low (or high) vector alone */
+    __m512i packed = _mm512_loadu_si512((const void *)w), zero = _mm512_setzero_si512();
+    return _mm512_castsi512_ps(high ? _mm512_unpackhi_epi16(zero, packed) : _mm512_unpacklo_epi16(zero, packed));
+}
+
+/* The 16 horizontal sums of v[0..15], as one vector (lane i = sum of v[i]'s lanes): a transpose
+ * tree of 15 shuffle/add pairs instead of 16 separate reductions. */
+static inline vf vf_sum16(const vf *v) {
+    __m512 t[8], w[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane sums of v[4i .. 4i+3] */
+        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+static inline vi vi_set1(int a) { return _mm512_set1_epi32(a); }
+static inline void vi_storeu(int *p, vi a) { _mm512_storeu_si512((void *)p, a); }
+static inline vcmp vcmp_none(void) { return 0; }
+static inline vcmp vcmp_or(vcmp a, vcmp b) { return a | b; }
+static inline unsigned vcmp_bits(vcmp c) { return c; }  /* bit i: lane i */
+static inline vcmp vf_unordered(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+static inline vcmp vf_greater(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+static inline vcmp vf_equal(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline vf vf_select(vcmp c, vf a, vf b) { return _mm512_mask_mov_ps(a, c, b); }  /* b where c, else a */
+static inline vi vi_select(vcmp c, vi a, vi b) { return _mm512_mask_mov_epi32(a, c, b); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+#define KERNEL_ISA "avx2"
+/* GEMM tiles (rows, panels of 16 columns) in 16 ymm registers, for blocks of 1..4 rows: 1 row x
+ * the whole group (8 accumulators); 2 rows x the whole group (16 accumulators, a few spilled to
+ * L1, but one pass over the group's stream: while a step is memory-bound that beats two passes
+ * over halves); 3 rows x half the group; 4 rows x a quarter (8 accumulators, 2 shuffles per 8
+ * FMAs). Measured against blocks of 2, 3, 5 and 6 rows and other splits: the best at 4-16 rows,
+ * as good at 1-2. */
+#define TILE_ROWS 4
+#define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 2) T(4, 1)
+#define SCORE_KEYS 4   /* 4 keys' dot products: 8 accumulators, not 32 */
+#define VALUE_PANELS 2 /* 2 panels' even and odd chains: 8 accumulators, not 16 */
+
+typedef struct { __m256 lo, hi; } vf;     /* lanes 0-7, 8-15 */
+typedef struct { __m256i lo, hi; } vi;
+typedef unsigned short vmask;
+typedef struct { __m256 lo, hi; } vcmp;   /* all-ones lanes where true */
+
+static inline __m256i mask8_(unsigned bits) {  /* bits 0-7 -> 8 lanes of all ones or zeros */
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane), lane);
+}
+static inline vf vf_make_(__m256 lo, __m256 hi) { vf v = {lo, hi}; return v; }
+static inline vf vf_zero(void) { return vf_make_(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_set1(float a) { return vf_make_(_mm256_set1_ps(a), _mm256_set1_ps(a)); }
+static inline vf vf_load(const float *p) { return vf_make_(_mm256_load_ps(p), _mm256_load_ps(p + 8)); }
+static inline void vf_store(float *p, vf v) { _mm256_store_ps(p, v.lo); _mm256_store_ps(p + 8, v.hi); }
+static inline vf vf_load_mask(const float *p, vmask m) {
+    if (m == 0xFFFF) return vf_make_(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+    return vf_make_(_mm256_maskload_ps(p, mask8_(m)), _mm256_maskload_ps(p + 8, mask8_(m >> 8u)));
+}
+static inline vf vf_load_mask_or(const float *p, vmask m, vf fill) {
+    if (m == 0xFFFF) return vf_make_(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+    __m256i lo = mask8_(m), hi = mask8_(m >> 8u);
+    return vf_make_(_mm256_blendv_ps(fill.lo, _mm256_maskload_ps(p, lo), _mm256_castsi256_ps(lo)),
+                    _mm256_blendv_ps(fill.hi, _mm256_maskload_ps(p + 8, hi), _mm256_castsi256_ps(hi)));
+}
+static inline void vf_store_mask(float *p, vmask m, vf v) {
+    if (m == 0xFFFF) {
+        _mm256_storeu_ps(p, v.lo);
+        _mm256_storeu_ps(p + 8, v.hi);
+    } else {
+        _mm256_maskstore_ps(p, mask8_(m), v.lo);
+        _mm256_maskstore_ps(p + 8, mask8_(m >> 8u), v.hi);
+    }
+}
+static inline vf vf_keep(vmask m, vf v) {
+    return vf_make_(_mm256_and_ps(v.lo, _mm256_castsi256_ps(mask8_(m))),
+                    _mm256_and_ps(v.hi, _mm256_castsi256_ps(mask8_(m >> 8u))));
+}
+#define VF_BINARY_(name, op) \
+    static inline vf name(vf a, vf b) { return vf_make_(op(a.lo, b.lo), op(a.hi, b.hi)); }
+VF_BINARY_(vf_add, _mm256_add_ps)
+VF_BINARY_(vf_sub, _mm256_sub_ps)
+VF_BINARY_(vf_mul, _mm256_mul_ps)
+VF_BINARY_(vf_div, _mm256_div_ps)
+VF_BINARY_(vf_max, _mm256_max_ps)  /* b where either is NaN, as AVX-512 */
+VF_BINARY_(vf_min, _mm256_min_ps)
+static inline vf vf_fmadd(vf a, vf b, vf c) {
+    return vf_make_(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline vf vf_fnmadd(vf a, vf b, vf c) {
+    return vf_make_(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline vf vf_round(vf a) {
+    return vf_make_(_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                    _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/* a * 2^n for integral n in [-126, 127] (what vf_exp's clamp allows): 2^n is then a normal fp32,
+ * built in the exponent bits, and one multiply rounds a * 2^n exactly as AVX-512's scalef does. */
+static inline __m256 pow2_(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vf_scale2(vf a, vf n) {
+    return vf_make_(_mm256_mul_ps(a.lo, pow2_(n.lo)), _mm256_mul_ps(a.hi, pow2_(n.hi)));
+}
+/* The reductions in GCC's _mm512_reduce_add_ps / _mm512_reduce_max_ps order (lanes i + 8, then
+ * i + 4, then i + 2, then i + 1), so both builds give the same bits. */
+static inline float vf_reduce_add(vf a) {
+    __m256 t3 = _mm256_add_ps(a.hi, a.lo);
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+static inline float vf_reduce_max(vf a) {
+    __m256 t3 = _mm256_max_ps(a.hi, a.lo);
+    __m128 t6 = _mm_max_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    __m128 t8 = _mm_max_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_max_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1))));
+}
+
+/* The same 32 columns from the same 64 bytes as AVX-512: AVX2's interleave also works within
+ * 128-bit lanes, so the low interleave of bytes 0-31 holds columns 0-7 and of bytes 32-63
+ * columns 8-15; the high interleaves columns 16-23 and 24-31. */
+static inline void vf_widen32(const uint16_t *w, vf *low, vf *high) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)(w + 16));
+    __m256i zero = _mm256_setzero_si256();
+    *low = vf_make_(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)),
+                    _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b)));
+    *high = vf_make_(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)),
+                     _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b)));
+}
+static inline vf vf_widen16(const uint16_t *w, int high) {  /* vf_widen32's low (or high) vector alone */
+    __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)(w + 16));
+    __m256i zero = _mm256_setzero_si256();
+    if (high) return vf_make_(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)),
+                              _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b)));
+    return vf_make_(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)),
+                    _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b)));
+}
+
+/* AVX-512's sum16 step by step on the two halves (128-bit lanes 0-1 in lo, 2-3 in hi): the same
+ * additions of the same pairs, so the same bits. */
+static inline vf vf_sum16(const vf *v) {
+    __m256 t[8][2], w[4][2];
+    for (int i = 0; i < 8; i++) {
+        t[i][0] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i].lo, v[2 * i + 1].lo),
+                                _mm256_unpackhi_ps(v[2 * i].lo, v[2 * i + 1].lo));
+        t[i][1] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i].hi, v[2 * i + 1].hi),
+                                _mm256_unpackhi_ps(v[2 * i].hi, v[2 * i + 1].hi));
+    }
+    for (int i = 0; i < 4; i++)
+        for (int h = 0; h < 2; h++) {
+            __m256d a = _mm256_castps_pd(t[2 * i][h]), b = _mm256_castps_pd(t[2 * i + 1][h]);
+            w[i][h] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+        }
+    /* _mm512_shuffle_f32x4(a, b, 0x88) = 128-bit lanes [a0, a2, b0, b2]; 0xDD = [a1, a3, b1, b3] */
+#define EVEN_(a, b) _mm256_permute2f128_ps((a)[0], (a)[1], 0x20), _mm256_permute2f128_ps((b)[0], (b)[1], 0x20)
+#define ODD_(a, b) _mm256_permute2f128_ps((a)[0], (a)[1], 0x31), _mm256_permute2f128_ps((b)[0], (b)[1], 0x31)
+    __m256 e01[2] = {EVEN_(w[0], w[1])}, o01[2] = {ODD_(w[0], w[1])};
+    __m256 e23[2] = {EVEN_(w[2], w[3])}, o23[2] = {ODD_(w[2], w[3])};
+    __m256 s01[2] = {_mm256_add_ps(e01[0], o01[0]), _mm256_add_ps(e01[1], o01[1])};
+    __m256 s23[2] = {_mm256_add_ps(e23[0], o23[0]), _mm256_add_ps(e23[1], o23[1])};
+    __m256 e[2] = {EVEN_(s01, s23)}, o[2] = {ODD_(s01, s23)};
+#undef EVEN_
+#undef ODD_
+    return vf_make_(_mm256_add_ps(e[0], o[0]), _mm256_add_ps(e[1], o[1]));
+}
+
+static inline vi vi_make_(__m256i lo, __m256i hi) { vi v = {lo, hi}; return v; }
+static inline vi vi_zero(void) { return vi_make_(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+static inline vi vi_iota(void) {
+    return vi_make_(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15));
+}
+static inline vi vi_add(vi a, vi b) { return vi_make_(_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)); }
+static inline vi vi_set1(int a) { return vi_make_(_mm256_set1_epi32(a), _mm256_set1_epi32(a)); }
+static inline void vi_storeu(int *p, vi a) {
+    _mm256_storeu_si256((__m256i *)p, a.lo);
+    _mm256_storeu_si256((__m256i *)(p + 8), a.hi);
+}
+static inline vcmp vcmp_make_(__m256 lo, __m256 hi) { vcmp c = {lo, hi}; return c; }
+static inline vcmp vcmp_none(void) { return vcmp_make_(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vcmp vcmp_or(vcmp a, vcmp b) { return vcmp_make_(_mm256_or_ps(a.lo, b.lo), _mm256_or_ps(a.hi, b.hi)); }
+static inline unsigned vcmp_bits(vcmp c) {
+    return (unsigned)_mm256_movemask_ps(c.lo) | (unsigned)_mm256_movemask_ps(c.hi) << 8;
+}
+#define VF_COMPARE_(name, predicate) \
+    static inline vcmp name(vf a, vf b) { \
+        return vcmp_make_(_mm256_cmp_ps(a.lo, b.lo, predicate), _mm256_cmp_ps(a.hi, b.hi, predicate)); \
+    }
+VF_COMPARE_(vf_unordered, _CMP_UNORD_Q)
+VF_COMPARE_(vf_greater, _CMP_GT_OQ)
+VF_COMPARE_(vf_equal, _CMP_EQ_OQ)
+static inline vf vf_select(vcmp c, vf a, vf b) {  /* b where c, else a */
+    return vf_make_(_mm256_blendv_ps(a.lo, b.lo, c.lo), _mm256_blendv_ps(a.hi, b.hi, c.hi));
+}
+static inline vi vi_select(vcmp c, vi a, vi b) {
+    return vi_make_(_mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(b.lo), c.lo)),
+                    _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a.hi), _mm256_castsi256_ps(b.hi), c.hi)));
+}
+
+#else
+#error "cpu_kernels.c needs AVX-512 (F and BW) or AVX2 and FMA: build it with -mavx512f -mavx512bw, or -mavx2 -mfma"
+#endif
+
+/* ---- written once over the layer ---------------------------------------------------------- */
 
 /* e^x for 16 floats (Cephes' expf: range reduction by ln 2 in two parts, a degree-7 polynomial,
- * 2^n by scalef): within 2 ulp of expf over the range softmax and SiLU use, and the same bits for
- * the same input wherever it sits in a batch. Inputs below -87.3 give ~0, above 88.3 give ~3e38. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
+ * 2^n by scaling): within 2 ulp of expf over the range softmax and SiLU use, and the same bits
+ * for the same input wherever it sits in a batch. Inputs below -87.3 give ~0, above 88.3 give ~3e38. */
+static inline vf vf_exp(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-87.3f)), vf_set1(88.3f));
+    vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf p = vf_set1(1.9875691500e-4f);
+    p = vf_fmadd(p, r, vf_set1(1.3981999507e-3f));
+    p = vf_fmadd(p, r, vf_set1(8.3334519073e-3f));
+    p = vf_fmadd(p, r, vf_set1(4.1665795894e-2f));
+    p = vf_fmadd(p, r, vf_set1(1.6666665459e-1f));
+    p = vf_fmadd(p, r, vf_set1(5.0000001201e-1f));
+    p = vf_fmadd(p, vf_mul(r, r), r);
+    return vf_scale2(vf_add(p, vf_set1(1.0f)), n);
 }
 
-static inline __mmask16 tail_mask(long left) {  /* the first `left` of 16 lanes (all when >= 16) */
-    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+static inline vmask tail_mask(long left) {  /* the first `left` of 16 lanes (all when >= 16) */
+    return left >= 16 ? (vmask)0xFFFF : left <= 0 ? (vmask)0 : (vmask)((1u << left) - 1u);
 }
 
-#define DEFINE_TILE(R)                                                                              \
-    static void tile_##R(const float *x, long ldx, const uint16_t *w, long K, float *y, long ldy,    \
-                         const __mmask16 *mask, const float *bias, int accumulate) {                \
-        __m512 acc[4][R];                                                                           \
-        for (int p = 0; p < 4; p++)                                                                 \
-            for (int r = 0; r < R; r++) acc[p][r] = _mm512_setzero_ps();                            \
-        for (long k = 0; k < K; k++) {                                                              \
-            const uint16_t *wk = w + k * GROUP;                                                     \
-            _mm_prefetch((const char *)(wk + PREFETCH), _MM_HINT_T0);                               \
-            _mm_prefetch((const char *)(wk + PREFETCH + 32), _MM_HINT_T0);                          \
-            __m512 wv[4];                                                                           \
-            widen32(wk, &wv[0], &wv[1]);                                                            \
-            widen32(wk + 32, &wv[2], &wv[3]);                                                       \
-            for (int p = 0; p < 4; p++)                                                             \
-                for (int r = 0; r < R; r++)                                                         \
-                    acc[p][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv[p], acc[p][r]);  \
+/* The ISA this build runs (`cpu_kernels.py` checks it is the one it asked for). */
+const char *dspark_kernel_isa(void) { return KERNEL_ISA; }
+
+/* ---- the matmul --------------------------------------------------------------------------- */
+
+/* A register tile: R rows x P panels (16 columns each; P = 1, 2 or 4) of one group: from the
+ * 32-column block w points at (its upper 16 columns when `high`, for P = 1); y, mask and bias
+ * point at the tile's first panel. Each output is one FMA chain over k in order, whatever the
+ * tile. Every tile prefetches the group's whole stream (both 64-byte lines of each k), so tiles
+ * over part of a group find the rest in cache. */
+#define TILE_K_LOOP(R, P, HIGH)                                                                     \
+    for (long k = 0; k < K; k++) {                                                                  \
+        const uint16_t *wk = w + k * GROUP;                                                         \
+        prefetch(wk + PREFETCH);                                                                    \
+        prefetch(wk + PREFETCH + 32);                                                               \
+        if (P == 1) {                                                                               \
+            vf wv = vf_widen16(wk, HIGH);                                                           \
+            for (int r = 0; r < R; r++) acc[0][r] = vf_fmadd(vf_set1(x[r * ldx + k]), wv, acc[0][r]); \
         }                                                                                           \
-        for (int p = 0; p < 4; p++) {                                                               \
-            __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + 16 * p) : _mm512_setzero_ps();  \
+        for (int h = 0; h < P / 2; h++) { /* 32 columns at a time: widened, then used */         \
+            vf wv[2];                                                                               \
+            vf_widen32(wk + 32 * h, &wv[0], &wv[1]);                                                \
+            for (int p = 0; p < 2; p++)                                                             \
+                for (int r = 0; r < R; r++)                                                         \
+                    acc[2 * h + p][r] = vf_fmadd(vf_set1(x[r * ldx + k]), wv[p], acc[2 * h + p][r]); \
+        }                                                                                           \
+    }
+
+#define DEFINE_TILE(R, P)                                                                           \
+    static void tile_##R##x##P(const float *x, long ldx, const uint16_t *w, int high, long K, float *y, \
+                               long ldy, const vmask *mask, const float *bias, int accumulate) {    \
+        vf acc[P][R];                                                                               \
+        for (int p = 0; p < P; p++)                                                                 \
+            for (int r = 0; r < R; r++) acc[p][r] = vf_zero();                                      \
+        if (P == 1 && high) /* a loop per half: no choice inside it */                              \
+            TILE_K_LOOP(R, P, 1)                                                                    \
+        else                                                                                        \
+            TILE_K_LOOP(R, P, 0)                                                                    \
+        for (int p = 0; p < P; p++) {                                                               \
+            vf b = bias ? vf_load_mask(bias + 16 * p, mask[p]) : vf_zero();                         \
             for (int r = 0; r < R; r++) {                                                           \
-                __m512 out = _mm512_add_ps(acc[p][r], b);                                           \
+                vf out = vf_add(acc[p][r], b);                                                      \
                 if (accumulate) /* y += x @ W + b: the residual add in the same pass */             \
-                    out = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[p], y + r * ldy + 16 * p), out);  \
-                _mm512_mask_storeu_ps(y + r * ldy + 16 * p, mask[p], out);                          \
+                    out = vf_add(vf_load_mask(y + r * ldy + 16 * p, mask[p]), out);                 \
+                vf_store_mask(y + r * ldy + 16 * p, mask[p], out);                                  \
             }                                                                                       \
         }                                                                                           \
     }
 
-DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(3) DEFINE_TILE(4) DEFINE_TILE(5) DEFINE_TILE(6)
+typedef void (*tile_fn)(const float *, long, const uint16_t *, int, long, float *, long, const vmask *,
+                        const float *, int);
+typedef struct { tile_fn fn; int panels; } tile_plan;  /* a tile over `panels` of the group's 4 panels */
 
-typedef void (*tile_fn)(const float *, long, const uint16_t *, long, float *, long, const __mmask16 *, const float *,
-                        int);
-static const tile_fn TILES[ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+/* TILES[rows]: the tile for a block of that many rows (up to TILE_ROWS, the ISA's TILE_SHAPES),
+ * run over the group's panels `panels` at a time. */
+TILE_SHAPES(DEFINE_TILE)
+#define TILE_PLAN(R, P) {tile_##R##x##P, P},
+static const tile_plan TILES[TILE_ROWS + 1] = {{0, 0}, TILE_SHAPES(TILE_PLAN)};
+#undef TILE_PLAN
 
 typedef struct {
     const float *x; long M, ldx; const uint16_t *wp; long K, N; float *y; long ldy; const float *bias;
@@ -113,13 +405,15 @@ static void gemm_groups(const gemm_args *a, long first, long last) {
     const float *x = a->x, *bias = a->bias;
     long M = a->M, ldx = a->ldx, K = a->K, N = a->N, ldy = a->ldy;
     for (long g = first; g < last; g++) {
-        __mmask16 mask[4];
+        vmask mask[4];
         for (int p = 0; p < 4; p++) mask[p] = tail_mask(N - g * GROUP - 16 * p);
         const float *b = bias ? bias + g * GROUP : 0;
-        for (long r0 = 0; r0 < M; r0 += ROWS) {
-            long rows = M - r0 < ROWS ? M - r0 : ROWS;
-            TILES[rows](x + r0 * ldx, ldx, a->wp + g * K * GROUP, K, a->y + r0 * ldy + g * GROUP, ldy, mask, b,
-                        a->accumulate);
+        for (long r0 = 0; r0 < M; r0 += TILE_ROWS) {
+            long rows = M - r0 < TILE_ROWS ? M - r0 : TILE_ROWS;
+            const tile_plan *tile = &TILES[rows];
+            for (int p0 = 0; p0 < 4 && mask[p0]; p0 += tile->panels)  /* panels past N: nothing to do */
+                tile->fn(x + r0 * ldx, ldx, a->wp + g * K * GROUP + 32 * (p0 / 2), p0 & 1, K,
+                         a->y + r0 * ldy + g * GROUP + 16 * p0, ldy, mask + p0, b ? b + 16 * p0 : 0, a->accumulate);
         }
     }
 }
@@ -163,7 +457,7 @@ static void *worker(void *arg) {
         long start = now_ns(), g;
         int spins = 0;
         while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
-            _mm_pause();
+            cpu_relax();
             if ((++spins & 127) == 0 && now_ns() - start > SPIN_NS) {
                 pthread_mutex_lock(&sleep_lock);
                 while ((g = atomic_load(&generation)) == seen) pthread_cond_wait(&wake, &sleep_lock);
@@ -216,7 +510,7 @@ static void start_locked(void) {
         if (failed) break;
         num_threads++;
     }
-    while (atomic_load(&ready) < num_threads - 1) _mm_pause();  /* every worker has read `generation` */
+    while (atomic_load(&ready) < num_threads - 1) cpu_relax();  /* every worker has read `generation` */
 }
 
 /* Start the pool with `threads` threads in all (the caller is one); returns how many run. */
@@ -251,7 +545,7 @@ static void parallel_for(range_fn fn, const void *ctx, long count, long min_per_
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&sleep_lock);
     run_share(0);
-    while (atomic_load_explicit(&finished, memory_order_acquire) < num_threads - 1) _mm_pause();
+    while (atomic_load_explicit(&finished, memory_order_acquire) < num_threads - 1) cpu_relax();
     pthread_mutex_unlock(&pool_lock);
 }
 
@@ -285,44 +579,30 @@ typedef struct {
     const long *slots, *positions; float scale; float *out; long ldo;
 } attention_args;
 
-/* The 16 horizontal sums of v[0..15], as one vector (lane i = sum of v[i]'s lanes): a transpose
- * tree of 15 shuffle/add pairs instead of 16 separate reductions. */
-static inline __m512 sum16(__m512 *v) {
-    __m512 t[8], w[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane sums of v[4i .. 4i+3] */
-        __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
-        w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
-
 /* scores[j] = (q . k_j) * scale for keys j in [0, length), 16 keys at a time (a partial last
- * block reads only its own keys). */
+ * block reads only its own keys), SCORE_KEYS keys per pass over q: key j's dot product is one
+ * FMA chain per lane over q's 16-float chunks in order, whatever the pass. */
 static void score_keys(const float *q, const float *k, long dim, long length, float scale, float *scores) {
     long chunks = (dim + 15) / 16;
-    __mmask16 last = tail_mask(dim - 16 * (chunks - 1));
+    vmask last = tail_mask(dim - 16 * (chunks - 1));
     for (long j0 = 0; j0 < length; j0 += 16) {
         long n = length - j0 < 16 ? length - j0 : 16;
         const float *block = k + j0 * dim;
-        __m512 v[16];
-        for (int i = 0; i < 16; i++) v[i] = _mm512_setzero_ps();
-        for (long c = 0; c < chunks; c++) {
-            __mmask16 m = c == chunks - 1 ? last : (__mmask16)0xFFFF;
-            __m512 qc = _mm512_maskz_loadu_ps(m, q + 16 * c);
-            if (n == 16) {
-                for (int i = 0; i < 16; i++)
-                    v[i] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, block + i * dim + 16 * c), v[i]);
-            } else {
-                for (int i = 0; i < 16; i++)
-                    if (i < n) v[i] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(m, block + i * dim + 16 * c), v[i]);
+        vf v[16];
+        for (int i = 0; i < 16; i++) v[i] = vf_zero();
+        for (int i0 = 0; i0 < 16 && i0 < n; i0 += SCORE_KEYS)
+            for (long c = 0; c < chunks; c++) {
+                vmask m = c == chunks - 1 ? last : (vmask)0xFFFF;
+                vf qc = vf_load_mask(q + 16 * c, m);
+                if (n == 16) {
+                    for (int i = i0; i < i0 + SCORE_KEYS; i++)
+                        v[i] = vf_fmadd(qc, vf_load_mask(block + i * dim + 16 * c, m), v[i]);
+                } else {
+                    for (int i = i0; i < i0 + SCORE_KEYS; i++)
+                        if (i < n) v[i] = vf_fmadd(qc, vf_load_mask(block + i * dim + 16 * c, m), v[i]);
+                }
             }
-        }
-        _mm512_mask_storeu_ps(scores + j0, tail_mask(n), _mm512_mul_ps(sum16(v), _mm512_set1_ps(scale)));
+        vf_store_mask(scores + j0, tail_mask(n), vf_mul(vf_sum16(v), vf_set1(scale)));
     }
 }
 
@@ -381,49 +661,48 @@ static void attention_runs(const void *ctx, long first, long last) {
         for (long i = 0; i < n; i++) {  /* softmax of each query over its own keys */
             float *row = scores + i * stride;
             long length = lengths[i];
-            __m512 top = _mm512_set1_ps(-INFINITY);
+            vf top = vf_set1(-INFINITY);
             for (long j = 0; j < length; j += 16)
-                top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(length - j), row + j));
-            __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+                top = vf_max(top, vf_load_mask_or(row + j, tail_mask(length - j), vf_set1(-INFINITY)));
+            vf total = vf_zero(), shift = vf_set1(vf_reduce_max(top));
             for (long j = 0; j < length; j += 16) {  /* 16 lanes, in one order fixed by the length */
-                __mmask16 m = tail_mask(length - j);
-                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), shift));
-                _mm512_mask_storeu_ps(row + j, m, e);
-                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+                vmask m = tail_mask(length - j);
+                vf e = vf_exp(vf_sub(vf_load_mask(row + j, m), shift));
+                vf_store_mask(row + j, m, e);
+                total = vf_add(total, vf_keep(m, e));
             }
-            totals[i] = _mm512_reduce_add_ps(total);
-            for (long d = 0; d < 2 * padded; d += 16) _mm512_store_ps(sums + i * 2 * padded + d, _mm512_setzero_ps());
+            totals[i] = vf_reduce_add(total);
+            for (long d = 0; d < 2 * padded; d += 16) vf_store(sums + i * 2 * padded + d, vf_zero());
         }
         for (long j0 = 0; j0 < longest; j0 += 16) {  /* weighted values, block by block */
             for (long i = 0; i < n; i++) {
                 long end = lengths[i] < j0 + 16 ? lengths[i] : j0 + 16;
                 const float *weights = scores + i * stride;
-                for (long d0 = 0; d0 < dim; d0 += 64) {
+                for (long d0 = 0; d0 < dim; d0 += 16 * VALUE_PANELS) {
                     float *even_sums = sums + i * 2 * padded + d0, *odd_sums = even_sums + padded;
-                    __m512 even[4], odd[4];
-                    __mmask16 m[4];
-                    for (int c = 0; c < 4; c++) {
+                    vf even[VALUE_PANELS], odd[VALUE_PANELS];
+                    vmask m[VALUE_PANELS];
+                    for (int c = 0; c < VALUE_PANELS; c++) {
                         m[c] = tail_mask(dim - d0 - 16 * c);
-                        even[c] = _mm512_load_ps(even_sums + 16 * c);
-                        odd[c] = _mm512_load_ps(odd_sums + 16 * c);
+                        even[c] = vf_load(even_sums + 16 * c);
+                        odd[c] = vf_load(odd_sums + 16 * c);
                     }
                     long j = j0;
                     for (; j + 1 < end; j += 2) {
-                        __m512 w0 = _mm512_set1_ps(weights[j]), w1 = _mm512_set1_ps(weights[j + 1]);
-                        for (int c = 0; c < 4; c++) {
-                            even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
-                            odd[c] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m[c], v + (j + 1) * dim + d0 + 16 * c),
-                                                     odd[c]);
+                        vf w0 = vf_set1(weights[j]), w1 = vf_set1(weights[j + 1]);
+                        for (int c = 0; c < VALUE_PANELS; c++) {
+                            even[c] = vf_fmadd(w0, vf_load_mask(v + j * dim + d0 + 16 * c, m[c]), even[c]);
+                            odd[c] = vf_fmadd(w1, vf_load_mask(v + (j + 1) * dim + d0 + 16 * c, m[c]), odd[c]);
                         }
                     }
                     if (j < end) {  /* the last key of an odd-length query: its even chain */
-                        __m512 w0 = _mm512_set1_ps(weights[j]);
-                        for (int c = 0; c < 4; c++)
-                            even[c] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m[c], v + j * dim + d0 + 16 * c), even[c]);
+                        vf w0 = vf_set1(weights[j]);
+                        for (int c = 0; c < VALUE_PANELS; c++)
+                            even[c] = vf_fmadd(w0, vf_load_mask(v + j * dim + d0 + 16 * c, m[c]), even[c]);
                     }
-                    for (int c = 0; c < 4; c++) {
-                        _mm512_store_ps(even_sums + 16 * c, even[c]);
-                        _mm512_store_ps(odd_sums + 16 * c, odd[c]);
+                    for (int c = 0; c < VALUE_PANELS; c++) {
+                        vf_store(even_sums + 16 * c, even[c]);
+                        vf_store(odd_sums + 16 * c, odd[c]);
                     }
                 }
             }
@@ -432,9 +711,8 @@ static void attention_runs(const void *ctx, long first, long last) {
             float *o = a->out + (t0 + i) * a->ldo + h * dim;
             const float *even_sums = sums + i * 2 * padded, *odd_sums = even_sums + padded;
             for (long d = 0; d < dim; d += 16) {
-                __mmask16 m = tail_mask(dim - d);
-                __m512 sum = _mm512_add_ps(_mm512_load_ps(even_sums + d), _mm512_load_ps(odd_sums + d));
-                _mm512_mask_storeu_ps(o + d, m, _mm512_div_ps(sum, _mm512_set1_ps(totals[i])));
+                vf sum = vf_add(vf_load(even_sums + d), vf_load(odd_sums + d));
+                vf_store_mask(o + d, tail_mask(dim - d), vf_div(sum, vf_set1(totals[i])));
             }
         }
     }
@@ -505,12 +783,12 @@ typedef struct {
 } decoder_call;
 
 static void rms_norm_row(const float *x, const float *weight, long n, float eps, float *out) {
-    __m512 sums = _mm512_setzero_ps();
+    vf sums = vf_zero();
     for (long i = 0; i < n; i += 16) {
-        __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
-        sums = _mm512_fmadd_ps(v, v, sums);
+        vf v = vf_load_mask(x + i, tail_mask(n - i));
+        sums = vf_fmadd(v, v, sums);
     }
-    float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(sums) / (float)n + eps);
+    float scale = 1.0f / sqrtf(vf_reduce_add(sums) / (float)n + eps);
     for (long i = 0; i < n; i++) out[i] = weight[i] * (x[i] * scale);  /* as transformers' Llama */
 }
 
@@ -574,10 +852,10 @@ static void silu_range(const void *ctx, long first, long last) {  /* out = silu(
         const float *gate = a->gate_up + t * 2 * a->inter, *up = gate + a->inter;
         float *out = a->out + t * a->inter;
         for (long i = 0; i < a->inter; i += 16) {
-            __mmask16 m = tail_mask(a->inter - i);
-            __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + i)));
+            vmask m = tail_mask(a->inter - i);
+            vf g = vf_load_mask(gate + i, m);
+            vf silu = vf_div(g, vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), g))));
+            vf_store_mask(out + i, m, vf_mul(silu, vf_load_mask(up + i, m)));
         }
     }
 }
@@ -638,28 +916,26 @@ static void argmax_range(const void *ctx, long first, long last) {
     const argmax_args *a = (const argmax_args *)ctx;
     for (long r = first; r < last; r++) {
         const float *row = a->x + r * a->ld;
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i best_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                                12, 13, 14, 15);
-        __mmask16 nan = 0;
+        vf best = vf_set1(-INFINITY);
+        vi best_index = vi_zero(), index = vi_iota();
+        vcmp nan = vcmp_none();
         for (long i = 0; i < a->n; i += 16) {
-            __mmask16 m = tail_mask(a->n - i);
-            __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + i);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  /* strict: a lane keeps its first */
-            best = _mm512_mask_mov_ps(best, greater, v);
-            best_index = _mm512_mask_mov_epi32(best_index, greater, index);
-            index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+            vf v = vf_load_mask_or(row + i, tail_mask(a->n - i), vf_set1(-INFINITY));
+            nan = vcmp_or(nan, vf_unordered(v, v));
+            vcmp greater = vf_greater(v, best);  /* strict: a lane keeps its first */
+            best = vf_select(greater, best, v);
+            best_index = vi_select(greater, best_index, index);
+            index = vi_add(index, vi_set1(16));
         }
         long found = 0;
-        if (nan) {
+        if (vcmp_bits(nan)) {
             while (row[found] == row[found]) found++;  /* the first NaN */
         } else {
-            float top = _mm512_reduce_max_ps(best);
-            __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+            float top = vf_reduce_max(best);
+            unsigned ties = vcmp_bits(vf_equal(best, vf_set1(top)));
             found = a->n;
             int lanes[16];
-            _mm512_storeu_si512((void *)lanes, best_index);
+            vi_storeu(lanes, best_index);
             for (int lane = 0; lane < 16; lane++)  /* the smallest index among the lanes holding the max
                                                      * (at least one does; all -inf rows give lane 0's 0) */
                 if (((ties >> lane) & 1) && lanes[lane] < found) found = lanes[lane];

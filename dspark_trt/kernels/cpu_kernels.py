@@ -2,11 +2,12 @@
 whole decoder pass in one call (`FusedDecoder`), a DSpark drafter's context step (`FusedContext`)
 and argmax.
 
-What it owns: compiling the C kernels with the system's `gcc` (once per kernel source and
-compiler, cached under `$DSPARK_TRT_CACHE/kernels`), packing a weight into the kernel's layout,
-describing a model's weights to the C side, and the calls. What it does not: deciding when to use
-them (`models/linear.py`, `models/target.py`, `models/drafter.py` and the proposer do), or owning
-the weights and caches it reads and writes.
+What it owns: choosing the instruction set the kernels are built for (`isa()`: the best this CPU
+has, from /proc/cpuinfo), compiling the C kernels for it with the system's `gcc` (once per kernel
+source, compiler and flags, cached under `$DSPARK_TRT_CACHE/kernels`), packing a weight into the
+kernel's layout (one layout for every ISA), describing a model's weights to the C side, and the
+calls. What it does not: deciding when to use them (`models/linear.py`, `models/target.py`,
+`models/drafter.py` and the proposer do), or owning the weights and caches it reads and writes.
 
 Why: measured on this project's 2-core CPUs (SmolLM2-135M's 121 matrices plus the LM head),
 one step over 1 / 2 / 8 / 16 rows cost 22 / 53 / 55 / 69 ms in fp32 through numpy's OpenBLAS
@@ -23,9 +24,17 @@ each output is one fp32 FMA chain over k in order. A row's result never depends 
 rows (batch invariant by construction), nor on the number of threads (each thread owns whole
 columns).
 
-Needs x86-64 with AVX-512 F and BW (Intel Skylake-SP and later server CPUs, AMD Zen 4 and later) and
-`gcc`; `available()` says why not otherwise, and callers fall back to oneDNN.
-Set `DSPARK_TRT_BF16_KERNEL=off` to force that fallback (for comparisons).
+ISAs: one C source, built per instruction set (`ISAS`): `avx512` (AVX-512 F and BW: Intel
+Skylake-SP and later server CPUs, AMD Zen 4 and later) or `avx2` (AVX2 and FMA: Intel Haswell and
+later, AMD Zen 1-3, most laptops and desktops). Why both: without the kernels the engine falls back
+to oneDNN, slower at every row count, so an AVX2-only CPU would lose the bf16 engine. Both builds
+give bit-identical results (the same operations in the same order; `tests/test_bf16.py` checks
+it), so a cache or a comparison never depends on the build. One is picked per process, at the
+first use: the best the CPU has, or the one `DSPARK_TRT_KERNEL_ISA` (`auto`, the default, |
+`avx512` | `avx2`) forces (to test or measure the AVX2 build on an AVX-512 CPU); a forced ISA the
+CPU lacks leaves the kernels unavailable, with the reason. Needs `gcc` (or `$CC`) too;
+`available()` says why not otherwise, and callers fall back to oneDNN. Set
+`DSPARK_TRT_BF16_KERNEL=off` to force that fallback (for comparisons).
 """
 
 from __future__ import annotations
@@ -37,27 +46,70 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-pthread", "-shared", "-fPIC"]
 GROUP_COLUMNS = 64  # the matmul kernel's column group (cpu_kernels.c)
+
+
+@dataclass(frozen=True)
+class Isa:
+    cpu_flags: tuple[str, ...]  # what /proc/cpuinfo must list
+    compile_flags: tuple[str, ...]
+
+
+# Best first. avx512: F (the FMAs) and BW (the 16-bit shuffles that widen bf16 weights).
+ISAS = {
+    "avx512": Isa(("avx512f", "avx512bw"), ("-mavx512f", "-mavx512bw")),
+    "avx2": Isa(("avx2", "fma"), ("-mavx2", "-mfma")),
+}
+ISA_VARIABLE = "DSPARK_TRT_KERNEL_ISA"
+
+
+def compile_flags(isa: str) -> list[str]:
+    return ["-O3", *ISAS[isa].compile_flags, "-pthread", "-shared", "-fPIC"]
+
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _unavailable_reason: str | None = None
+_isa: str | None = None
 
 
-def _cpu_has_avx512() -> bool:
-    """AVX-512 F (the FMAs) and BW (the 16-bit shuffles that widen bf16 weights)."""
+def _cpu_flags() -> set[str]:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return False
-    return {"avx512f", "avx512bw"} <= set(flags.split())
+        return set()
+    return set(flags.split(":", 1)[-1].split())
+
+
+def choose_isa(wanted: str | None = None, cpu_flags: set[str] | None = None) -> tuple[str | None, str | None]:
+    """(the ISA to build, None) or (None, why none): `wanted` (default `$DSPARK_TRT_KERNEL_ISA`,
+    `auto` when unset) is `auto` (the best of `ISAS` the CPU has) or one ISA's name."""
+    wanted = (os.environ.get(ISA_VARIABLE, "") if wanted is None else wanted).strip().lower() or "auto"
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    if wanted == "auto":
+        for name, isa in ISAS.items():
+            if set(isa.cpu_flags) <= flags:
+                return name, None
+        return None, "this CPU has neither " + " nor ".join(" and ".join(isa.cpu_flags) for isa in ISAS.values())
+    if wanted not in ISAS:
+        return None, f"{ISA_VARIABLE}={wanted!r} is none of auto, {', '.join(ISAS)}"
+    missing = [flag for flag in ISAS[wanted].cpu_flags if flag not in flags]
+    if missing:
+        return None, f"{ISA_VARIABLE}={wanted} asks for an ISA this CPU lacks (no {', '.join(missing)})"
+    return wanted, None
+
+
+def supported_isas(cpu_flags: set[str] | None = None) -> list[str]:
+    """Every ISA build of `ISAS` this CPU can run, best first (benchmarks measure each)."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return [name for name, isa in ISAS.items() if set(isa.cpu_flags) <= flags]
 
 
 def _cache_dir() -> Path:
@@ -66,18 +118,19 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _compile(compiler: str) -> Path:
+def _compile(compiler: str, isa: str) -> Path:
     """Build the shared library once per (source, compiler, flags); atomic, so concurrent
     processes never load a half-written file."""
+    flags = compile_flags(isa)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256((SOURCE.read_text() + version + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"cpu_kernels-{key}.so"
+    key = hashlib.sha256((SOURCE.read_text() + version + " ".join(flags)).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if library.is_file():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as staging:
         built = Path(staging) / library.name
-        result = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
@@ -116,23 +169,30 @@ class _DecoderCall(ctypes.Structure):  # decoder_call
 
 
 def _load() -> ctypes.CDLL | None:
-    global _library, _unavailable_reason
+    global _library, _unavailable_reason, _isa
     if _library is not None or _unavailable_reason is not None:  # decided: no lock on the hot path
         return _library
     with _lock:
         if _library is not None or _unavailable_reason is not None:
             return _library
+        isa, why_not = choose_isa()
         if os.environ.get("DSPARK_TRT_BF16_KERNEL", "").lower() in ("off", "0", "false", "no"):
             _unavailable_reason = "turned off by DSPARK_TRT_BF16_KERNEL"
-        elif not _cpu_has_avx512():
-            _unavailable_reason = "this CPU has no AVX-512 (F and BW)"
+        elif isa is None:
+            _unavailable_reason = why_not
+            if os.environ.get(ISA_VARIABLE, "auto").strip().lower() != "auto":  # asked for: say so loudly
+                warnings.warn(f"our CPU kernels are off: {why_not}", RuntimeWarning, stacklevel=3)
         elif (compiler := shutil.which(os.environ.get("CC", "gcc"))) is None:
             _unavailable_reason = "no C compiler (gcc) to build it"
         else:
             try:
-                library = ctypes.CDLL(str(_compile(compiler)))
+                library = ctypes.CDLL(str(_compile(compiler, isa)))
+                library.dspark_kernel_isa.restype = ctypes.c_char_p
+                built = library.dspark_kernel_isa().decode()
+                if built != isa:
+                    raise RuntimeError(f"asked for {isa}, the source built {built}")
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-                _unavailable_reason = f"it did not build: {exc}"
+                _unavailable_reason = f"it did not build for {isa}: {exc}"
             else:
                 void, long_ = ctypes.c_void_p, ctypes.c_long
                 library.dspark_bf16_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
@@ -151,7 +211,7 @@ def _load() -> ctypes.CDLL | None:
                 library.dspark_start_threads.argtypes = [ctypes.c_int]
                 library.dspark_start_threads.restype = ctypes.c_int
                 library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
-                _library = library
+                _library, _isa = library, isa
         return _library
 
 
@@ -166,9 +226,17 @@ def unavailable_reason() -> str | None:
     return _unavailable_reason
 
 
+def isa() -> str | None:
+    """The instruction set the loaded kernels were built for (`avx512`, `avx2`), None when they
+    are not available (compiles them on first call)."""
+    _load()
+    return _isa
+
+
 def _widen_order() -> torch.Tensor:
-    """Which column of a 32-column block each packed position holds (see `widen32` in the C
-    source): in 128-bit lane L (8 values), the first 4 are columns 4L.., the last 4 columns 16 + 4L.."""
+    """Which column of a 32-column block each packed position holds (see `vf_widen32` in the C
+    source): in 128-bit lane L (8 values), the first 4 are columns 4L.., the last 4 columns 16 + 4L..
+    The same for every ISA: AVX-512 widens the 4 lanes at once, AVX2 two at a time."""
     return torch.tensor([4 * lane + i if i < 4 else 16 + 4 * lane + i - 4 for lane in range(4) for i in range(8)])
 
 

@@ -61,7 +61,7 @@ class LLM:
         Row-by-row matmuls (and, on a GPU, norms) make it several times slower: for tests and
         reproducibility.
         `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations: faster on CPU
-        and, where our AVX-512 kernels run, batch invariant by construction), or `auto` (bfloat16
+        and, where our CPU kernels run (AVX-512 or AVX2+FMA), batch invariant by construction), or `auto` (bfloat16
         where those kernels run, else float32; see `models/linear.py`). The drafter uses the same.
         With `engine_dir`, `auto` is the dtype the directory was built and profiled in.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
