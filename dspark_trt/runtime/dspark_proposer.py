@@ -35,6 +35,7 @@ from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, top_probability
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.threads import torch_on_calling_thread
 
 
 class ContextCache:
@@ -310,7 +311,7 @@ class DSparkProposer(Proposer):
         if not requests:
             return []
         self._catch_up(requests)
-        drafter, gamma = self.drafter, self.block_size
+        drafter = self.drafter
         slots = [self.pool.slot(r.request_id) for r in requests]
         order = sorted(range(len(requests)), key=lambda i: slots[i])  # slot order: contiguous views
         requests = [requests[i] for i in order]
@@ -323,7 +324,20 @@ class DSparkProposer(Proposer):
             hidden, backbone_logits = self._kernel_backbone(fused, block, slots)
         else:
             hidden, backbone_logits = self._torch_backbone(block, slots)
+        # After a C call our kernels' workers hold the other cores for a moment: the block's small
+        # ops stay on this thread (runtime/threads.py).
+        with torch_on_calling_thread(fused is not None):
+            blocks = self._draw_blocks(requests, slots, anchors, hidden, backbone_logits)
+        drafts = [None] * num_requests
+        for i, draft in zip(order, blocks):
+            drafts[i] = draft
+        return drafts
 
+    def _draw_blocks(self, requests: list[Request], slots: list[int], anchors: torch.Tensor, hidden: torch.Tensor,
+                     backbone_logits: torch.Tensor) -> list[Draft]:
+        """The sequential head over each block, left to right, then its confidences: hidden
+        `[N, gamma, d]` and backbone logits `[N, gamma, V_d]` of `requests` (in slot order) -> drafts."""
+        drafter, gamma = self.drafter, self.block_size
         anchor_ids = drafter.to_draft[anchors]  # [N] draft-vocab ids of the anchors (x_0)
         previous = anchor_ids  # [N] draft-vocab ids of x_{k-1}
         if drafter.prefix is not None:  # block positions: each request's context length onwards
@@ -365,10 +379,10 @@ class DSparkProposer(Proposer):
         sampled = distributions[0] is not None  # any request samples: every position has distributions
         all_probs = torch.stack(distributions, 1) if sampled else None  # [N, gamma, V_d]
 
-        drafts = [None] * num_requests
+        drafts = []
         for i, request in enumerate(requests):
             full_probs = None
             if not request.params.greedy:  # verification compares them with the target's vocabulary
                 full_probs = to_target_vocab(all_probs[i], drafter.draft_vocab, drafter.config.target_vocab_size)
-            drafts[order[i]] = Draft(tokens[i].tolist(), full_probs, None if calibrated is None else calibrated[i])
+            drafts.append(Draft(tokens[i].tolist(), full_probs, None if calibrated is None else calibrated[i]))
         return drafts
