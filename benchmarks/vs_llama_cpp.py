@@ -14,7 +14,7 @@ drift on a shared machine falls on all alike:
   with `pip install llama-cpp-python`, which compiles llama.cpp for this CPU);
 - `ours_plain`: `LLM(policy="none")`, the default dtype and engine;
 - `ours_dspark`: `LLM(drafter="default")` with the default policy (`auto`: confidence-scheduled).
-Reports medians over rounds per dataset, the ratios to llama.cpp, and how many of our greedy
+Each arm is warmed up on the first prompt before timing. Reports medians over rounds per dataset, the ratios to llama.cpp, and how many of our greedy
 outputs equal llama.cpp's (its int4 x int8 kernels round differently from ours, so a few differ).
 """
 
@@ -37,6 +37,9 @@ import json, os, sys, time
 from llama_cpp import Llama
 job = json.load(open(sys.argv[1]))
 llm = Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_threads=os.cpu_count(), n_batch=512, verbose=False)
+for i, token in enumerate(llm.generate(job["prompts"][0], temp=0.0, top_k=1, reset=True)):  # warm-up, untimed
+    if i == 3:
+        break
 results = []
 for ids in job["prompts"]:
     llm.reset()
@@ -117,6 +120,8 @@ def main() -> int:
     for dataset in datasets:
         prompts = [plain.encode_chat(p.messages) for p in load_prompts(dataset, args.num_prompts)]  # as `eval`
         rounds = {"llama_cpp": [], "ours_plain": [], "ours_dspark": []}
+        for llm in (plain, speculative):  # warm-up, untimed (first calls build kernels' weight descriptions)
+            run_ours(llm, prompts[:1], 4)
         last = {}
         for _ in range(args.rounds):
             last["llama_cpp"] = run_llama(args.llama_python, gguf, prompts, args.max_tokens)
