@@ -11,13 +11,15 @@ from scipy.stats import binomtest
 from dspark_trt import LLM, SamplingParams
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.runtime.profile import LatencyProfile
+from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.scheduler import Scheduler
 from dspark_trt.runtime.stats import StepStats
+from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.sampling import sample, verify_draft
 from dspark_trt.models.drafter_io import save_drafter
 from dspark_trt.models.loading import load_target
-from dspark_trt.runtime.verify_policy import (Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1, best_budget,
-                                          make_policy, prefix_survival, top_k_budgets)
+from dspark_trt.runtime.verify_policy import (DRAFTER_SCALE_WEIGHT, Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1,
+                                          best_budget, make_policy, prefix_survival, top_k_budgets)
 from tiny_drafters import make_drafter
 
 
@@ -106,6 +108,53 @@ def test_explorations_back_off_while_drafting_does_not_pay(target):
     assert drafted_steps(3) == [0, 1, 2]
     policy.pays = False
     assert drafted_steps(6) == [4]
+
+
+def test_survival_feedback_scales_what_the_policy_sees_by_what_verification_found():
+    feedback = SurvivalFeedback(prior_tokens=2.0)
+    assert feedback.correct("r", [0.8, 0.4]) == [0.8, 0.4]  # no evidence yet: calibration is trusted
+    for _ in range(10):  # predicted 0.8 + 0.4 = 1.2 accepted tokens per verification, got 0.3
+        feedback.record("r", [0.8, 0.4], 0 if _ % 10 else 3)
+    factor = (3 + 2.0) / (12 + 2.0)
+    assert feedback.factor("r") == pytest.approx(factor)
+    assert feedback.correct("r", [0.8, 0.4]) == pytest.approx([0.8 * factor, 0.4 * factor])
+    feedback.record("s", [0.5], 1)  # better than predicted: scaled up, never past 1
+    assert feedback.correct("s", [0.9, 0.6]) == pytest.approx([1.0, 0.6 * 3 / 2.5])
+    feedback.record("s", [], 1)  # nothing verified: no evidence
+    assert feedback.factor("s") == pytest.approx(3 / 2.5)
+    feedback.forget("r")
+    assert feedback.factor("r") == 1.0
+
+
+def test_an_overconfident_drafter_stops_being_drafted_for(target):
+    """The scheduler hands the policy survivals corrected by the request's verifications: drafts
+    predicted to survive 90% that the target keeps rejecting stop being drafted."""
+    policy = DSparkPolicy()
+    policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [0.3])
+    scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16)
+    request = SimpleNamespace(request_id="r")
+    scheduler.survival["r"] = [0.9, 0.81]
+    assert scheduler._should_draft([request], StepStats())  # (1 + 0.9 + 0.81) / 1.4 s beats 1 / 1 s
+    verified = Draft([5, 6], confidences=torch.tensor([0.9, 0.9]))
+    for _ in range(5):
+        scheduler.record_verification(request, verified, 0)
+    assert not scheduler._should_draft([request], StepStats())
+    scheduler.finish(SimpleNamespace(request_id="r", cache=None))
+    assert scheduler.feedback.factor("r") == 1.0
+
+
+def test_measured_draft_costs_scale_the_profiled_ones():
+    cost = costs([1, 2], [1.0, 1.1], [1, 2], [0.2, 0.3])
+    assert cost.drafter_seconds(1) == pytest.approx(0.2)
+    for _ in range(200):  # every draft measured at twice its profiled cost
+        cost.observe_drafter(1, 0.4)
+    assert cost.drafter_scale == pytest.approx(2.0, rel=1e-6)
+    assert cost.drafter_seconds(2) == pytest.approx(0.6, rel=1e-6)
+    assert cost.rate(2.0, 2, 1) == pytest.approx(2.0 / (1.1 + 0.4), rel=1e-6)
+    policy = DSparkPolicy()
+    policy.costs = cost
+    policy.observe_drafter(1, 0.2)  # the policy forwards what the engine measured
+    assert cost.drafter_scale == pytest.approx(2.0 + DRAFTER_SCALE_WEIGHT * (1.0 - 2.0), rel=1e-6)
 
 
 def appendix_a_first_token_distribution(early_stop: bool, num_samples: int = 6000, seed: int = 0) -> float:

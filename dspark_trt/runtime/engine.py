@@ -193,6 +193,7 @@ class Engine:
             blocks = self.proposer.propose(plan.decoding)
         plan.stats.drafter_seconds = time.perf_counter() - tick
         plan.stats.num_drafting = len(plan.decoding)
+        self.policy.observe_drafter(plan.stats.num_drafting, plan.stats.drafter_seconds)
         return blocks
 
     def _postprocess(self, feeds: list[Feed], run: RunnerOutput, verdicts: list[Verdict]) -> list[StepOutput]:
@@ -205,6 +206,7 @@ class Engine:
             else:
                 num_verified = len(feed.draft.tokens)
                 request.stats.record(num_verified, verdict.num_accepted)
+                self.scheduler.record_verification(request, feed.draft, verdict.num_accepted)
                 self.counters.record_verification(num_verified, verdict.num_accepted)
                 # The cache holds [.., pending, d_1..d_l]; keep pending and the accepted drafts.
                 request.cache.truncate(request.cache.length - num_verified + verdict.num_accepted)

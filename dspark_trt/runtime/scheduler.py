@@ -2,7 +2,8 @@
 
 It owns the queues (`waiting`, `running`), the KV pool's slots, the token budget of a step
 (`max_batch_tokens`, which chunked prefill fills after the decode feeds) and the inputs of the
-verify policy (each request's prefix survivals of its latest block). Per step, in two calls
+verify policy (each request's prefix survivals of its latest block, corrected by what its earlier
+verifications found: `survival_feedback.py`). Per step, in two calls
 with the drafter in between:
 
     schedule()            admit waiting requests while KV slots are free (first come, first
@@ -26,6 +27,7 @@ from dspark_trt.models.kv_cache import KVPool
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.stats import StepStats
+from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 
 
@@ -62,6 +64,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Prefix survivals of each request's latest block: the lagged input of `should_draft`.
         self.survival: dict[str, list[float]] = {}
+        # What verification found so far, per request: scales the survivals the policy sees.
+        self.feedback = SurvivalFeedback()
         self.steps_since_draft = 0
         self.explore_every = explore_every  # steps without drafting after which the drafter runs once anyway
         self.explore_gap = explore_every  # the current gap: doubles while explorations keep finding no gain
@@ -92,7 +96,9 @@ class Scheduler:
         if not self.policy.uses_drafter or not decoding:
             return False
         tick = time.perf_counter()
-        pays = self.policy.should_draft([self.survival.get(r.request_id) for r in decoding])
+        lagged = [self.survival.get(r.request_id) for r in decoding]
+        pays = self.policy.should_draft([self.feedback.correct(r.request_id, row) if row else row
+                                         for r, row in zip(decoding, lagged)])
         # Survivals only refresh when the drafter runs: explore now and then, so one bad block
         # (or a load spike) does not switch drafting off for good. Each exploration is a draft
         # that may not pay, so while they keep finding none the gap doubles (16, 32, .. 256 steps):
@@ -138,13 +144,18 @@ class Scheduler:
                        request.params.max_tokens - len(request.output_token_ids) - 1)
             lengths.append(max(0, min(len(draft.tokens), room)))
             row = prefix_survival(draft.confidences.tolist()) if draft.confidences is not None else []
-            survival.append(row)
+            survival.append(self.feedback.correct(request.request_id, row))
             if row:
-                self.survival[request.request_id] = row
+                self.survival[request.request_id] = row  # as drafted: corrected when used
         budgets = self.policy.budgets(survival, lengths, len(plan.decoding))
         plan.stats.scheduler_seconds += time.perf_counter() - tick
         plan.stats.verify_budget = sum(budgets)
         return [draft.cut(count) for draft, count in zip(blocks, budgets)]
+
+    def record_verification(self, request: Request, verified: Draft, num_accepted: int) -> None:
+        """The engine verified `verified` (the block as cut) and the target accepted `num_accepted`."""
+        if verified.confidences is not None and verified.tokens:
+            self.feedback.record(request.request_id, prefix_survival(verified.confidences.tolist()), num_accepted)
 
     def finish(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its KV slot."""
@@ -153,6 +164,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.survival.pop(request.request_id, None)
+        self.feedback.forget(request.request_id)
         if request.cache is not None:
             self.pool.free(request.cache)
             request.cache = None

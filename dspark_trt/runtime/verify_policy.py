@@ -47,6 +47,7 @@ from dspark_trt.runtime.profile import LatencyProfile
 
 POLICY_NAMES = ("auto", "none", "all", "fixed:K", "threshold:H", "dspark", "dspark-lagged")
 DEFAULT_POLICY = "auto"
+DRAFTER_SCALE_WEIGHT = 0.1  # each measured draft's share in the running drafter-cost scale (`Costs`)
 
 
 def prefix_survival(confidences: list[float]) -> list[float]:
@@ -60,12 +61,28 @@ def prefix_survival(confidences: list[float]) -> list[float]:
 
 @dataclass
 class Costs:
-    """Step-time lookups the objective needs (from a `LatencyProfile`)."""
+    """Step-time lookups the objective needs (from a `LatencyProfile`), the drafter's scaled by what
+    drafting has measured while serving.
+
+    The profile times the drafter on a synthetic request, best of a few; a real draft also pays
+    for what its request brings (copy-bias lookups, Markov rows seen for the first time, noise on a
+    shared machine): 15-20% more at batch 1 here. An underestimated draft cost is the way to draft
+    where it does not pay, so `observe_drafter` keeps a running mean of measured / profiled seconds
+    (`DRAFTER_SCALE_WEIGHT` per observation) that scales every drafter lookup."""
 
     profile: LatencyProfile
+    drafter_scale: float = 1.0
+
+    def drafter_seconds(self, num_drafting: int) -> float:
+        return self.profile.drafter_seconds(num_drafting) * self.drafter_scale
+
+    def observe_drafter(self, num_drafting: int, seconds: float) -> None:
+        profiled = self.profile.drafter_seconds(num_drafting)
+        if profiled > 0 and seconds > 0:
+            self.drafter_scale += DRAFTER_SCALE_WEIGHT * (seconds / profiled - self.drafter_scale)
 
     def rate(self, expected_tokens: float, batch_tokens: int, num_drafting: int) -> float:
-        seconds = self.profile.target_seconds(batch_tokens) + self.profile.drafter_seconds(num_drafting)
+        seconds = self.profile.target_seconds(batch_tokens) + self.drafter_seconds(num_drafting)
         return expected_tokens / seconds
 
 
@@ -142,6 +159,11 @@ class VerifyPolicy:
     def should_draft(self, lagged_survival: list[list[float] | None]) -> bool:
         """Whether the drafter runs this step, from survivals of earlier steps (None = unknown)."""
         return self.uses_drafter
+
+    def observe_drafter(self, num_drafting: int, seconds: float) -> None:
+        """A draft for `num_drafting` requests took `seconds` (the engine measures every draft)."""
+        if self.costs is not None:
+            self.costs.observe_drafter(num_drafting, seconds)
 
     def budgets(self, survival: list[list[float]], draft_lengths: list[int], num_drafting: int) -> list[int]:
         return list(draft_lengths)
