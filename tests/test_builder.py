@@ -21,6 +21,7 @@ from dspark_trt.builder.onnx_export import sample_drafter_inputs, sample_target_
 from dspark_trt.builder.tiny import tiny_drafter_folder, tiny_target_folder
 from dspark_trt.cli import main
 from dspark_trt.config import ConfigError, load_build_config
+from dspark_trt.kernels import cpu_kernels
 from dspark_trt.models.drafter_io import load_drafter
 from dspark_trt.models.linear import dtype_name, resolve_dtype
 from dspark_trt.models.loading import load_target
@@ -168,6 +169,12 @@ def test_manifest_and_profile_round_trip(built, tmp_path):
     assert profile.backend == ("torch-cpu" if dtype == "float32" else f"torch-cpu-{dtype}")
     assert profile.device == engine.manifest["device"]
     assert profile.drafter_num_requests and all(s > 0 for s in profile.target_step_seconds)
+    # The manifest names the build of our CPU kernels the profile was measured with (or why none ran).
+    kernels = engine.manifest["cpu_kernels"]
+    if dtype == "bfloat16":
+        assert kernels["isa"] == cpu_kernels.isa() and kernels["isa"] in kernels["supported"]
+    else:
+        assert kernels["isa"] is None and kernels["why_not"]
     other = "float32" if dtype == "bfloat16" else "bfloat16"
     with pytest.raises(InvalidRequestError, match=f"built and profiled for dtype {dtype}") as error:
         LLM(engine_dir=built[0], dtype=other)

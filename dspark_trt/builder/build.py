@@ -331,6 +331,18 @@ def _summarise_validation(checks: dict, progress) -> None:
                                + json.dumps({k: checks[k] for k in ("target", "drafter") if k in checks})[:1500])
 
 
+def _cpu_kernels_entry(backend: str, runtime_dtype: str) -> dict | None:
+    """Which build of our CPU kernels the CPU backend ran when it was validated and profiled (the
+    profile holds for that build: `DSPARK_TRT_KERNEL_ISA` can force another), or why none ran."""
+    if backend != "torch-cpu":
+        return None
+    from dspark_trt.kernels import cpu_kernels
+
+    if runtime_dtype != "bfloat16" or not cpu_kernels.available():
+        return {"isa": None, "why_not": cpu_kernels.unavailable_reason() or f"the backend runs in {runtime_dtype}"}
+    return {"isa": cpu_kernels.isa(), "supported": cpu_kernels.supported_isas()}
+
+
 def _manifest(config, target, target_spec, drafter_entry, backend, runtime_dtype, engines, files, checks,
               trtllm) -> dict:
     c = target.config
@@ -341,6 +353,7 @@ def _manifest(config, target, target_spec, drafter_entry, backend, runtime_dtype
         "backend": backend,
         "device": current_device(backend),
         "dtype": runtime_dtype,  # the PyTorch CPU backend's weights (TensorRT: engines.precision)
+        "cpu_kernels": _cpu_kernels_entry(backend, runtime_dtype),
         "target": {"spec": target_spec, "name": target.name, "architecture": c.architecture,
                    "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_layers": c.num_layers,
                    "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim},
