@@ -19,7 +19,8 @@ from dspark_trt.runtime.sampling import sample, verify_draft
 from dspark_trt.models.drafter_io import save_drafter
 from dspark_trt.models.loading import load_target
 from dspark_trt.runtime.verify_policy import (DRAFTER_SCALE_WEIGHT, Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1,
-                                          best_budget, make_policy, prefix_survival, top_k_budgets)
+                                          best_budget, candidate_counts, make_policy, prefix_survival,
+                                          top_k_budgets)
 from tiny_drafters import make_drafter
 
 
@@ -90,8 +91,8 @@ def test_drafting_is_judged_by_the_rule_that_will_verify():
 def test_explorations_back_off_while_drafting_does_not_pay(target):
 
     class Never(DSparkPolicy):
-        def should_draft(self, lagged_survival):
-            return self.pays
+        def drafting(self, lagged_survival):
+            return [self.pays] * len(lagged_survival)
 
     policy = Never()
     policy.pays = False
@@ -100,7 +101,7 @@ def test_explorations_back_off_while_drafting_does_not_pay(target):
 
     def drafted_steps(num_steps):
         decoding = [SimpleNamespace(request_id="r")]
-        return [step for step in range(num_steps) if scheduler._should_draft(decoding, StepStats())]
+        return [step for step in range(num_steps) if scheduler._drafting(decoding, StepStats())]
 
     # Gaps of 4, 8, 16, 32, then capped at 16 x 4 = 64 steps.
     assert drafted_steps(4 + 1 + 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1) == [4, 13, 30, 63, 128, 193]
@@ -108,6 +109,32 @@ def test_explorations_back_off_while_drafting_does_not_pay(target):
     assert drafted_steps(3) == [0, 1, 2]
     policy.pays = False
     assert drafted_steps(6) == [4]
+
+
+def test_only_the_requests_worth_drafting_for_draft():
+    # Four requests; the drafter costs 0.1 s for one, 0.4 s for four. Only request 2 drafts well:
+    # drafting for all four (2.95 + 0.15 + ...) / (1.2 + 0.4) loses to drafting for it alone.
+    policy = DSparkPolicy()
+    policy.costs = costs([4, 5, 6, 8], [1.0, 1.02, 1.04, 1.2], [1, 4], [0.1, 0.4])
+    lagged = [[0.05, 0.01], [0.1, 0.02], [0.95, 0.9], None]
+    assert policy.drafting(lagged) == [False, False, True, False]
+    assert candidate_counts(3) == [1, 2, 3] and candidate_counts(40) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 40]
+    policy.costs = costs([4, 8], [1.0, 1.0001], [1, 4], [0.001, 0.004])  # free drafts: everyone drafts
+    assert policy.drafting(lagged) == [True] * 4
+    policy.costs = costs([4, 8], [1.0, 2.0], [1, 4], [0.5, 2.0])  # dear drafts and verification: nobody
+    assert policy.drafting(lagged) == [False] * 4 and not policy.should_draft(lagged)
+
+
+def test_an_exploration_drafts_for_the_request_that_waited_longest(target):
+    policy = DSparkPolicy()
+    policy.costs = costs([1, 8], [1.0, 8.0], [1], [5.0])  # drafting never pays
+    scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
+                          explore_every=2)
+    requests = [SimpleNamespace(request_id=name) for name in "abc"]
+    for request in requests:
+        scheduler.survival[request.request_id] = [0.5]
+    explored = [[r.request_id for r in scheduler._drafting(requests, StepStats())] for _ in range(20)]
+    assert [ids for ids in explored if ids] == [["a"], ["b"], ["c"]]  # one at a time, gaps 2, 4, 8
 
 
 def test_survival_feedback_scales_what_the_policy_sees_by_what_verification_found():
@@ -134,11 +161,11 @@ def test_an_overconfident_drafter_stops_being_drafted_for(target):
     scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16)
     request = SimpleNamespace(request_id="r")
     scheduler.survival["r"] = [0.9, 0.81]
-    assert scheduler._should_draft([request], StepStats())  # (1 + 0.9 + 0.81) / 1.4 s beats 1 / 1 s
+    assert scheduler._drafting([request], StepStats())  # (1 + 0.9 + 0.81) / 1.4 s beats 1 / 1 s
     verified = Draft([5, 6], confidences=torch.tensor([0.9, 0.9]))
     for _ in range(5):
         scheduler.record_verification(request, verified, 0)
-    assert not scheduler._should_draft([request], StepStats())
+    assert not scheduler._drafting([request], StepStats())
     scheduler.finish(SimpleNamespace(request_id="r", cache=None))
     assert scheduler.feedback.factor("r") == 1.0
 

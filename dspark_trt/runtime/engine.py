@@ -2,8 +2,8 @@
 
     step():
         plan    = scheduler.schedule()          admit waiting requests into free KV slots; who decodes;
-                                                whether the drafter runs (the policy, from earlier confidences)
-        blocks  = proposer.propose(decoding)    full draft blocks, when it runs
+                                                who the drafter runs for (the policy, from earlier confidences)
+        blocks  = proposer.propose(drafting)    full draft blocks for those (an empty one for the rest)
         feeds   = scheduler.pack(plan, blocks)  each block cut to the policy's budget; prompt chunks
                                                 in the rest of the token budget; which rows need logits
         run     = runner.run(feeds)             one target forward on the ragged batch
@@ -185,15 +185,18 @@ class Engine:
         return outputs
 
     def _propose(self, plan: StepPlan) -> list[Draft]:
-        """Full draft blocks (the drafter's trained block size) for the decoding requests."""
+        """Full draft blocks (the drafter's trained block size) for the requests that draft, an
+        empty one for each other decoding request: one per `plan.decoding`."""
         tick = time.perf_counter()
         if self.batch_invariant:  # a batched drafter pass would round each request's draft by the batch
-            blocks = [block for request in plan.decoding for block in self.proposer.propose([request])]
+            drafted = [block for request in plan.drafting for block in self.proposer.propose([request])]
         else:
-            blocks = self.proposer.propose(plan.decoding)
+            drafted = self.proposer.propose(plan.drafting)
         plan.stats.drafter_seconds = time.perf_counter() - tick
-        plan.stats.num_drafting = len(plan.decoding)
+        plan.stats.num_drafting = len(plan.drafting)
         self.policy.observe_drafter(plan.stats.num_drafting, plan.stats.drafter_seconds)
+        by_request = {id(request): block for request, block in zip(plan.drafting, drafted)}
+        blocks = [by_request.get(id(request), Draft([])) for request in plan.decoding]
         return blocks
 
     def _postprocess(self, feeds: list[Feed], run: RunnerOutput, verdicts: list[Verdict]) -> list[StepOutput]:

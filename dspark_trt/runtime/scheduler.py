@@ -8,7 +8,8 @@ with the drafter in between:
 
     schedule()            admit waiting requests while KV slots are free (first come, first
                           served; out of memory means waiting, never a crash); the decoding
-                          requests; whether to draft (the policy, from survivals one step old)
+                          requests; which of them draft (the policy, from survivals of earlier
+                          steps; now and then one that has not drafted for a while, to explore)
     pack(plan, blocks)    each decode feed: [pending token] + the draft cut to the policy's
                           budget; then prompt chunks of prefilling requests into what is left of
                           the token budget; and, once, which rows of each feed need logits
@@ -48,9 +49,13 @@ class Feed:
 @dataclass
 class StepPlan:
     decoding: list[Request]  # requests past their prompt, in running order
-    draft_now: bool  # whether the drafter runs for them this step
+    drafting: list[Request]  # those the drafter runs for this step (in the same order; may be none)
     stats: StepStats
     feeds: list[Feed] = field(default_factory=list)  # filled by `Scheduler.pack`
+
+    @property
+    def draft_now(self) -> bool:
+        return bool(self.drafting)
 
 
 class Scheduler:
@@ -69,6 +74,8 @@ class Scheduler:
         self.steps_since_draft = 0
         self.explore_every = explore_every  # steps without drafting after which the drafter runs once anyway
         self.explore_gap = explore_every  # the current gap: doubles while explorations keep finding no gain
+        self.last_drafted: dict[str, int] = {}  # request id -> the step it last drafted in (who explores next)
+        self.num_steps = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,32 +97,38 @@ class Scheduler:
         stats.admitted_prompt_tokens = sum(len(r.prompt_token_ids) for r in admitted)
         decoding = [r for r in self.running if not r.in_prefill]
         stats.num_decoding = len(decoding)
-        return StepPlan(decoding, self._should_draft(decoding, stats), stats)
+        return StepPlan(decoding, self._drafting(decoding, stats), stats)
 
-    def _should_draft(self, decoding: list[Request], stats: StepStats) -> bool:
+    def _drafting(self, decoding: list[Request], stats: StepStats) -> list[Request]:
+        """The decoding requests the drafter runs for this step."""
+        self.num_steps += 1
         if not self.policy.uses_drafter or not decoding:
-            return False
+            return []
         tick = time.perf_counter()
         lagged = [self.survival.get(r.request_id) for r in decoding]
-        pays = self.policy.should_draft([self.feedback.correct(r.request_id, row) if row else row
-                                         for r, row in zip(decoding, lagged)])
+        chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else row
+                                       for r, row in zip(decoding, lagged)])
+        drafting = [request for request, draft in zip(decoding, chosen) if draft]
         # Survivals only refresh when the drafter runs: explore now and then, so one bad block
-        # (or a load spike) does not switch drafting off for good. Each exploration is a draft
-        # that may not pay, so while they keep finding none the gap doubles (16, 32, .. 256 steps):
-        # text the drafter cannot predict then costs at most a fraction of a percent over plain
+        # (or a load spike) does not switch drafting off for good. An exploration drafts for one
+        # request, the one that has gone longest without (a draft for one costs a fraction of a
+        # step); while explorations keep finding no gain the gap doubles (16, 32, .. 256 steps), so
+        # text the drafter cannot predict costs at most a fraction of a percent over plain
         # decoding, and a gain found again resets the gap.
-        explore = not pays and self.steps_since_draft >= self.explore_gap
-        if pays:
+        if drafting:
             self.explore_gap = self.explore_every
-        elif explore:
+        elif self.steps_since_draft >= self.explore_gap:
+            drafting = [min(decoding, key=lambda r: self.last_drafted.get(r.request_id, -1))]
             self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
-        draft_now = pays or explore
+        for request in drafting:
+            self.last_drafted[request.request_id] = self.num_steps
         stats.scheduler_seconds += time.perf_counter() - tick
-        self.steps_since_draft = 0 if draft_now else self.steps_since_draft + 1
-        return draft_now
+        self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
+        return drafting
 
     def pack(self, plan: StepPlan, blocks: list[Draft] | None) -> list[Feed]:
-        """The step's feeds from the full draft `blocks` of `plan.decoding` (None: nothing drafted)."""
+        """The step's feeds from the full draft `blocks` of `plan.decoding` (None: nothing drafted; an
+        empty block for a request that did not draft)."""
         drafts = self._verify_budgets(plan, blocks) if blocks is not None else [Draft([]) for _ in plan.decoding]
         feeds, budget = [], self.max_batch_tokens
         for request, draft in zip(plan.decoding, drafts):
@@ -164,6 +177,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.survival.pop(request.request_id, None)
+        self.last_drafted.pop(request.request_id, None)
         self.feedback.forget(request.request_id)
         if request.cache is not None:
             self.pool.free(request.cache)

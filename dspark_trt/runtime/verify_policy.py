@@ -27,11 +27,11 @@ a_{r,j+1} (which depends on x_{r,j}); searching past a non-improvement would (th
 appendix A; `tests/test_scheduler.py` shows the bias). The lagged budget is fixed before the
 current block exists, and a top-K set is decided by larger values only.
 
-Drafting itself is a choice (`should_draft`): with confidences from earlier steps, the policy
-compares the rate its own verification rule would reach with drafting (the drafter's cost
-included) against plain decoding, and skips the drafter when it does not pay, so speculation
-never runs where it is expected to be slower; the drafter then catches up on the context it
-missed before it drafts again (see `DSparkProposer.observe`).
+Drafting itself is a choice, per request (`drafting`): with confidences from earlier steps, the
+policy compares the rate its own verification rule would reach if the k most promising requests
+drafted (the drafter's cost for k included) against plain decoding, and drafts for the best k, or
+for none, so speculation never runs where it is expected to be slower; a request's drafter state
+catches up on the context it missed before it drafts again (see `DSparkProposer.observe`).
 
 This module is pure Python over floats and decides nothing else: admission and the token
 budget are the scheduler's (`scheduler.py`), tensors and requests the engine's.
@@ -134,6 +134,15 @@ def best_budget(survival: list[list[float]], costs: Costs, num_drafting: int) ->
     return best_k, best_rate
 
 
+def candidate_counts(num_requests: int) -> list[int]:
+    """How many requests to try drafting for: each count up to 8, then doublings and all of them
+    (a step's decision stays ~O(log n) Algorithm 1 walks at large batches)."""
+    counts = list(range(1, min(num_requests, 8) + 1))
+    while counts and counts[-1] * 2 < num_requests:
+        counts.append(counts[-1] * 2)
+    return counts + ([num_requests] if num_requests > 8 else [])
+
+
 def top_k_budgets(survival: list[list[float]], total: int) -> list[int]:
     """Give `total` verify slots to the highest prefix survivals (prefix-closed per request)."""
     budgets = [0] * len(survival)
@@ -156,9 +165,14 @@ class VerifyPolicy:
     def set_profile(self, profile: LatencyProfile | None) -> None:
         self.costs = Costs(profile) if profile is not None else None
 
+    def drafting(self, lagged_survival: list[list[float] | None]) -> list[bool]:
+        """Which requests the drafter runs for this step, from survivals of earlier steps (None =
+        unknown): every one, for a policy that does not weigh the drafter's cost."""
+        return [self.uses_drafter] * len(lagged_survival)
+
     def should_draft(self, lagged_survival: list[list[float] | None]) -> bool:
-        """Whether the drafter runs this step, from survivals of earlier steps (None = unknown)."""
-        return self.uses_drafter
+        """Whether the drafter runs at all this step."""
+        return any(self.drafting(lagged_survival))
 
     def observe_drafter(self, num_drafting: int, seconds: float) -> None:
         """A draft for `num_drafting` requests took `seconds` (the engine measures every draft)."""
@@ -208,34 +222,46 @@ class DSparkPolicy(VerifyPolicy):
 
     def __init__(self):
         super().__init__()
-        # (best total budget, its rate) of the last should_draft, from the survivals it was given
+        # (best total budget, its rate) of the last `drafting`, over the requests it chose
         self.last_plan: tuple[int, float] | None = None
 
-    def should_draft(self, lagged_survival):
+    def drafting(self, lagged_survival):
+        """The requests worth drafting for: the k most promising (by their first draft token's
+        survival), for the k whose expected rate beats plain decoding by the most; none when no k
+        does. A draft's cost grows with the requests it drafts for (profiled), so under load a few
+        confident requests draft while the rest decode plainly."""
         self.last_plan = None
+        count = len(lagged_survival)
         if self.costs is None:
-            return True
+            return [True] * count
         known = [row for row in lagged_survival if row]
-        if not lagged_survival:
-            return False
         if not known:  # nothing drafted yet: try, so there is something to decide from
-            return True
+            return [True] * count
         fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
         rows = [row if row else fallback for row in lagged_survival]
-        count = len(rows)
-        self.last_plan = best_budget(rows, self.costs, count)
-        return self.expected_rate(rows) > self.costs.rate(count, count, 0)  # drafting beats plain decoding
+        order = sorted(range(count), key=lambda r: -rows[r][0])
+        best_k, best_rate = 0, self.costs.rate(count, count, 0)  # plain decoding
+        for k in candidate_counts(count):
+            chosen = set(order[:k])
+            rate = self.expected_rate([row if r in chosen else [] for r, row in enumerate(rows)], k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        chosen = set(order[:best_k])
+        if best_k:
+            self.last_plan = best_budget([row if r in chosen else [] for r, row in enumerate(rows)], self.costs,
+                                         best_k)
+        return [r in chosen for r in range(count)]
 
-    def expected_rate(self, survival: list[list[float]]) -> float:
-        """Tokens per second if every request drafts and `budgets` then picks from `survival`.
+    def expected_rate(self, survival: list[list[float]], num_drafting: int) -> float:
+        """Tokens per second if the requests with a row draft and `budgets` then picks from `survival`.
 
         The rule that will pick (Algorithm 1, early stop included), not the best budget of a global
         search: that one can be above what the step will verify, and drafting for it would then
         cost more than it returns, i.e. run slower than plain decoding."""
         count = len(survival)
-        budgets = algorithm1(survival, self.costs, count)
+        budgets = algorithm1(survival, self.costs, num_drafting)
         expected = count + sum(sum(row[:budget]) for row, budget in zip(survival, budgets))
-        return self.costs.rate(expected, count + sum(budgets), count)
+        return self.costs.rate(expected, count + sum(budgets), num_drafting)
 
     def budgets(self, survival, draft_lengths, num_drafting):
         if self.costs is None:
@@ -253,15 +279,16 @@ class LaggedDSparkPolicy(DSparkPolicy):
         super().__init__()
         self.lagged_budget = 0
 
-    def expected_rate(self, survival):
-        return self.last_plan[1]  # the budget it will verify is the global search's (`should_draft`)
+    def expected_rate(self, survival, num_drafting):
+        _, rate = best_budget(survival, self.costs, num_drafting)  # the budget it will verify: a global search's
+        return rate
 
-    def should_draft(self, lagged_survival):
-        draft = super().should_draft(lagged_survival)
+    def drafting(self, lagged_survival):
+        chosen = super().drafting(lagged_survival)
         # The budget that pays best given that the drafter runs: also right for a step that drafts
         # only to refresh survivals (exploration), whose drafter cost is spent either way.
         self.lagged_budget = -1 if self.last_plan is None else self.last_plan[0]  # -1: verify whole blocks
-        return draft
+        return chosen
 
     def budgets(self, survival, draft_lengths, num_drafting):
         rows = [row[:n] for row, n in zip(survival, draft_lengths)]
