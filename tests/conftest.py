@@ -105,3 +105,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_tensorrt)
         if "cuda" in item.keywords and not cuda:
             item.add_marker(no_cuda)
+
+
+def pytest_report_header(config):
+    """Which engine the CPU tests ran on: the greedy-equality and batch-invariance tests hold for our
+    kernels' build named here (AVX-512 and AVX2 builds give bit-identical results, `test_bf16.py`),
+    and for the fp32 PyTorch path where the kernels do not run."""
+    from dspark_trt.kernels import cpu_kernels
+
+    if cpu_kernels.available():
+        return (f"dspark-trt CPU kernels: {cpu_kernels.isa()} build (this CPU runs: "
+                f"{', '.join(cpu_kernels.supported_isas())}; DSPARK_TRT_KERNEL_ISA picks one)")
+    return f"dspark-trt CPU kernels: not running ({cpu_kernels.unavailable_reason()}); bf16 tests use PyTorch"

@@ -278,3 +278,29 @@ def test_every_policy_is_lossless_at_temperature_zero(tiny_llama, target, tmp_pa
     if policy != "none":
         assert llm.engine.counters.num_steps > 0
         assert llm.engine.profile is not None or not llm.engine.policy.needs_profile
+
+
+def test_only_steady_state_drafts_scale_the_drafter_cost(tiny_llama, target, tmp_path):
+    """A draft right after steps without drafting also catches up on every position it missed;
+    counting it would make drafting look dearer the rarer it is. The engine reports a draft's time
+    only when every request drafting drafted in the previous step too."""
+    save_drafter(make_drafter(target), tmp_path / "dspark")
+
+    class Alternating(DSparkPolicy):
+        def __init__(self, every: int):
+            super().__init__()
+            self.every, self.calls, self.observed = every, 0, []
+
+        def drafting(self, lagged_survival):
+            self.calls += 1
+            return [self.calls % self.every == 0] * len(lagged_survival)
+
+        def observe_drafter(self, num_drafting, seconds):
+            self.observed.append(num_drafting)
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for every, observed in ((2, False), (1, True)):
+        policy = Alternating(every)
+        llm = LLM(target=tiny_llama, drafter=tmp_path / "dspark", policy=policy)
+        llm.generate(["The quick brown fox"], params)
+        assert bool(policy.observed) is observed, every

@@ -82,6 +82,7 @@ class Engine:
         self.counters = EngineCounters()
         self.last_step = StepStats()
         self.profile = profile
+        self._drafted_last_step: set[str] = set()  # who drafted in the previous step (`_propose`)
         if self.policy.needs_profile and profile is None:
             # No profile given: a quick one now beats deciding blind (which is verify-all).
             from dspark_trt.runtime.profile import measure_latency_profile
@@ -194,7 +195,13 @@ class Engine:
             drafted = self.proposer.propose(plan.drafting)
         plan.stats.drafter_seconds = time.perf_counter() - tick
         plan.stats.num_drafting = len(plan.drafting)
-        self.policy.observe_drafter(plan.stats.num_drafting, plan.stats.drafter_seconds)
+        drafting = {request.request_id for request in plan.drafting}
+        if drafting <= self._drafted_last_step:
+            # A draft's cost as the policy weighs it: every request drafted last step too, so its
+            # catch-up is one step's positions. After steps without drafting the catch-up is longer,
+            # and counting it would make drafting look dearer the rarer it is, which stops it.
+            self.policy.observe_drafter(plan.stats.num_drafting, plan.stats.drafter_seconds)
+        self._drafted_last_step = drafting
         by_request = {id(request): block for request, block in zip(plan.drafting, drafted)}
         blocks = [by_request.get(id(request), Draft([])) for request in plan.decoding]
         return blocks
@@ -234,5 +241,7 @@ class Engine:
 
     def _finish_step(self, stats: StepStats, step_start: float) -> None:
         stats.step_seconds = time.perf_counter() - step_start
+        if not stats.num_drafting:
+            self._drafted_last_step = set()
         self.counters.record_step(stats)
         self.last_step = stats
