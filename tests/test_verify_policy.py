@@ -304,3 +304,23 @@ def test_only_steady_state_drafts_scale_the_drafter_cost(tiny_llama, target, tmp
         llm = LLM(target=tiny_llama, drafter=tmp_path / "dspark", policy=policy)
         llm.generate(["The quick brown fox"], params)
         assert bool(policy.observed) is observed, every
+
+
+def test_the_policy_is_asked_again_only_when_its_inputs_changed(target):
+    """While nothing is drafted, survivals, feedback and costs stay as they were: the same requests
+    get the last answer without another search; a draft, or another set of requests, asks again."""
+    policy = DSparkPolicy()
+    policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [5.0])  # drafting never pays
+    calls = []
+    original = policy.drafting
+    policy.drafting = lambda lagged: calls.append(len(lagged)) or original(lagged)
+    scheduler = Scheduler(target.model.new_pool(2, 16), policy, max_batch_tokens=16, context_length=16,
+                          explore_every=4)
+    a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
+    scheduler.survival.update(a=[0.5], b=[0.5])
+    drafted = [bool(scheduler._drafting([a], StepStats())) for _ in range(4)]
+    assert drafted == [False] * 4 and calls == [1]
+    assert scheduler._drafting([a], StepStats())  # the exploration at the gap of 4 drafts
+    scheduler._drafting([a], StepStats())  # ... so the next step asks again
+    scheduler._drafting([a, b], StepStats())  # as does another set of requests
+    assert calls == [1, 1, 2]

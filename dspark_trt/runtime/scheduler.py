@@ -76,6 +76,11 @@ class Scheduler:
         self.explore_gap = explore_every  # the current gap: doubles while explorations keep finding no gain
         self.last_drafted: dict[str, int] = {}  # request id -> the step it last drafted in (who explores next)
         self.num_steps = 0
+        # The policy's last choice and what it was made from: its inputs (survivals, feedback, the
+        # drafter's measured cost) only change when something was drafted, so while nothing is, the
+        # same requests get the same answer without asking again (~0.1-0.3 ms a step at 8-32).
+        self._inputs_changed = True
+        self._last_choice: tuple[tuple[str, ...], list[bool]] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -105,9 +110,13 @@ class Scheduler:
         if not self.policy.uses_drafter or not decoding:
             return []
         tick = time.perf_counter()
-        lagged = [self.survival.get(r.request_id) for r in decoding]
-        chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else row
-                                       for r, row in zip(decoding, lagged)])
+        ids = tuple(r.request_id for r in decoding)
+        if self._inputs_changed or self._last_choice is None or self._last_choice[0] != ids:
+            lagged = [self.survival.get(r.request_id) for r in decoding]
+            chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else row
+                                           for r, row in zip(decoding, lagged)])
+            self._last_choice, self._inputs_changed = (ids, chosen), False
+        chosen = self._last_choice[1]
         drafting = [request for request, draft in zip(decoding, chosen) if draft]
         # Survivals only refresh when the drafter runs: explore now and then, so one bad block
         # (or a load spike) does not switch drafting off for good. An exploration drafts for one
@@ -122,6 +131,7 @@ class Scheduler:
             self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
         for request in drafting:
             self.last_drafted[request.request_id] = self.num_steps
+        self._inputs_changed = self._inputs_changed or bool(drafting)  # a draft updates survivals and costs
         stats.scheduler_seconds += time.perf_counter() - tick
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
         return drafting
