@@ -70,6 +70,7 @@ def test_drafter_cost_enters_the_objective():
     policy = DSparkPolicy()
     policy.costs = dear
     assert policy.should_draft([None] * 4) is True  # no history yet: draft once to learn
+    assert policy.drafting([None] * 4) == [True, False, False, False]  # ... for one request, not the batch
 
 
 def test_drafting_is_judged_by_the_rule_that_will_verify():

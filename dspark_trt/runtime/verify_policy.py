@@ -235,8 +235,8 @@ class DSparkPolicy(VerifyPolicy):
         if self.costs is None:
             return [True] * count
         known = [row for row in lagged_survival if row]
-        if not known:  # nothing drafted yet: try, so there is something to decide from
-            return [True] * count
+        if not known:  # nothing drafted yet: one request tries (a draft for many costs up to a step,
+            return [r == 0 for r in range(count)]  # with their prompts to catch up), the rest follow its lead
         fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
         rows = [row if row else fallback for row in lagged_survival]
         order = sorted(range(count), key=lambda r: -rows[r][0])
