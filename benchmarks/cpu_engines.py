@@ -52,17 +52,17 @@ def cpu_summary() -> dict:
 
 
 def time_steps(step, tokens: list[int], repeats: int) -> dict[str, float]:
-    """Median ms of `step(T)` for each T (one warm-up call each)."""
-    result = {}
+    """Median ms of `step(T)` for each T. Each repeat goes over every T in turn (after one warm-up
+    call each), so drift on a shared machine moves all of them alike and their ratios hold."""
     for count in tokens:
         step(count)
-        samples = []
-        for _ in range(repeats):
+    samples = {count: [] for count in tokens}
+    for _ in range(repeats):
+        for count in tokens:
             start = time.perf_counter()
             step(count)
-            samples.append(time.perf_counter() - start)
-        result[str(count)] = statistics.median(samples) * 1e3
-    return result
+            samples[count].append(time.perf_counter() - start)
+    return {str(count): statistics.median(values) * 1e3 for count, values in samples.items()}
 
 
 def measure_ours(dtype_name: str, tokens: list[int], context: int, repeats: int) -> dict:

@@ -14,7 +14,8 @@ drift on a shared machine falls on all alike:
   with `pip install llama-cpp-python`, which compiles llama.cpp for this CPU);
 - `ours_plain`: `LLM(policy="none")`, the default dtype and engine;
 - `ours_dspark`: `LLM(drafter="default")` with the default policy (`auto`: confidence-scheduled).
-Each arm is warmed up on the first prompt before timing. Reports medians over rounds per dataset, the ratios to llama.cpp, and how many of our greedy
+Each arm is warmed up on the first prompt before timing. Reports medians over rounds per dataset,
+the ratios to llama.cpp, and how many of our greedy
 outputs equal llama.cpp's (its int4 x int8 kernels round differently from ours, so a few differ).
 """
 
