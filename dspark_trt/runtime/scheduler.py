@@ -67,7 +67,7 @@ class Scheduler:
         self.context_length = context_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Prefix survivals of each request's latest block: the lagged input of `should_draft`.
+        # Prefix survivals of each request's latest block: the lagged input of `drafting`.
         self.survival: dict[str, list[float]] = {}
         # What verification found so far, per request: scales the survivals the policy sees.
         self.feedback = SurvivalFeedback()
@@ -170,7 +170,7 @@ class Scheduler:
             survival.append(self.feedback.correct(request.request_id, row))
             if row:
                 self.survival[request.request_id] = row  # as drafted: corrected when used
-        budgets = self.policy.budgets(survival, lengths, len(plan.decoding))
+        budgets = self.policy.budgets(survival, lengths, len(plan.drafting))  # the drafter ran for these
         plan.stats.scheduler_seconds += time.perf_counter() - tick
         plan.stats.verify_budget = sum(budgets)
         return [draft.cut(count) for draft, count in zip(blocks, budgets)]
