@@ -94,9 +94,9 @@ def choose_isa(wanted: str | None = None, cpu_flags: set[str] | None = None) -> 
     wanted = (os.environ.get(ISA_VARIABLE, "") if wanted is None else wanted).strip().lower() or "auto"
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
     if wanted == "auto":
-        for name, isa in ISAS.items():
-            if set(isa.cpu_flags) <= flags:
-                return name, None
+        present = supported_isas(flags)
+        if present:
+            return present[0], None
         return None, "this CPU has neither " + " nor ".join(" and ".join(isa.cpu_flags) for isa in ISAS.values())
     if wanted not in ISAS:
         return None, f"{ISA_VARIABLE}={wanted!r} is none of auto, {', '.join(ISAS)}"

@@ -170,10 +170,6 @@ class VerifyPolicy:
         unknown): every one, for a policy that does not weigh the drafter's cost."""
         return [self.uses_drafter] * len(lagged_survival)
 
-    def should_draft(self, lagged_survival: list[list[float] | None]) -> bool:
-        """Whether the drafter runs at all this step."""
-        return any(self.drafting(lagged_survival))
-
     def observe_drafter(self, num_drafting: int, seconds: float) -> None:
         """A draft for `num_drafting` requests took `seconds` (the engine measures every draft)."""
         if self.costs is not None:
@@ -240,17 +236,16 @@ class DSparkPolicy(VerifyPolicy):
         fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
         rows = [row if row else fallback for row in lagged_survival]
         order = sorted(range(count), key=lambda r: -rows[r][0])
-        best_k, best_rate = 0, self.costs.rate(count, count, 0)  # plain decoding
+        best_k, best_rate, best_rows = 0, self.costs.rate(count, count, 0), None  # plain decoding
         for k in candidate_counts(count):
             chosen = set(order[:k])
-            rate = self.expected_rate([row if r in chosen else [] for r, row in enumerate(rows)], k)
+            drafted = [row if r in chosen else [] for r, row in enumerate(rows)]  # no row: does not draft
+            rate = self.expected_rate(drafted, k)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        chosen = set(order[:best_k])
+                best_k, best_rate, best_rows = k, rate, drafted
         if best_k:
-            self.last_plan = best_budget([row if r in chosen else [] for r, row in enumerate(rows)], self.costs,
-                                         best_k)
-        return [r in chosen for r in range(count)]
+            self.last_plan = best_budget(best_rows, self.costs, best_k)
+        return [bool(row) for row in best_rows] if best_k else [False] * count
 
     def expected_rate(self, survival: list[list[float]], num_drafting: int) -> float:
         """Tokens per second if the requests with a row draft and `budgets` then picks from `survival`.
