@@ -45,6 +45,13 @@ def bodies(draw) -> tuple[bool, object]:
         return chat, draw(json_values)
     body = {"model": MODEL, "max_tokens": 2}
     body.update({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})
+    # The served multi-choice and logprobs fields, often at values that run (so that their answers,
+    # not only their refusals, are exercised); prompt lists of text and of ids.
+    body.update(draw(st.fixed_dictionaries({}, optional={
+        "n": st.integers(0, 3), "logprobs": st.booleans() | st.integers(0, 3), "top_logprobs": st.integers(0, 3),
+        "echo": st.booleans(), "max_tokens": st.integers(0, 2), "stream": st.booleans(),
+        "prompt": st.lists(st.sampled_from(["Hi", "a b", ""]) | st.lists(st.integers(0, 40), max_size=3),
+                           max_size=3)})))
     body.update(draw(st.dictionaries(st.sampled_from(FIELDS) | texts, json_values, max_size=3)))
     if chat and draw(st.booleans()):
         body["messages"] = draw(messages)
@@ -99,14 +106,18 @@ def test_any_body_is_a_runnable_request_or_a_400(prepare, case):
     run, engine = prepare
     chat, body = case
     try:
-        request, prompt_ids, params = run(encode(body), chat)
+        prepared = run(encode(body), chat)
     except HTTPError as e:
         assert e.status == 400 and str(e)
         assert_names_a_field(e.param, body)
         return
-    assert request.model == MODEL and prompt_ids
-    assert 1 <= params.max_tokens and len(prompt_ids) + params.max_tokens <= engine.context_length
-    assert all(0 <= t < engine.target.config.vocab_size for t in prompt_ids)
+    assert prepared.body.model == MODEL and prepared.choices
+    assert [choice.index for choice in prepared.choices] == list(range(len(prepared.choices)))
+    for choice in prepared.choices:
+        params, prompt_ids = choice.params, choice.prompt_ids
+        assert prompt_ids and len(prompt_ids) + params.max_tokens <= engine.context_length
+        assert params.max_tokens >= 1 or (not chat and body.get("echo") is True)
+        assert all(0 <= t < engine.target.config.vocab_size for t in prompt_ids)
 
 
 @settings(FUZZ, max_examples=150)
@@ -135,8 +146,13 @@ def test_any_body_over_http_is_a_200_or_an_openai_400(server, case):
     response = httpx.post(f"{server.url}{path}", content=encode(body), timeout=30,
                           headers={"content-type": "application/json"})
     if response.status_code == 200:
-        payload = response.text if isinstance(body, dict) and body.get("stream") is True else response.json()
-        assert "choices" in payload
+        if body.get("stream") is True:
+            assert response.text.endswith("data: [DONE]\n\n")
+        else:
+            choices = response.json()["choices"]
+            assert len(choices) >= 1 and sorted(c["index"] for c in choices) == list(range(len(choices)))
+            if body.get("logprobs") not in (None, False):  # asked for: there, one entry per token at least
+                assert all(c["logprobs"] is not None for c in choices)
     else:
         assert response.status_code == 400, response.text
         error = response.json()["error"]

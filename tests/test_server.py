@@ -129,7 +129,12 @@ def test_sampled_requests_with_a_seed_are_reproducible(client, model_name):
     ({"prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"prompt": "x", "logit_bias": {"5": 3}}, "logit_bias", "unsupported"),
     ({"prompt": "x", "frobnicate": True}, "frobnicate", "unsupported field"),
-    ({"prompt": "x", "n": 3}, "n", "unsupported"),
+    ({"prompt": "x", "n": 0}, "n", ">= 1"),
+    ({"prompt": ["a", "b"], "n": 40}, "n", "at most 64"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "logprobs: N"),
+    ({"prompt": ["a", ""]}, "prompt.1", "empty"),
+    ({"prompt": ["a", 1]}, "prompt.1", "valid string"),
     ({"max_tokens": 3}, "prompt", "missing"),
     ({"prompt": ""}, "prompt", "empty"),
 ])

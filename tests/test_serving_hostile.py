@@ -142,7 +142,7 @@ def test_a_bug_of_ours_is_a_500_with_openai_body(tiny_llm, monkeypatch):
 
     server = Server(tiny_llm, "tiny")
 
-    def broken(raw, chat):
+    def broken(raw, chat, content_encoding=None):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(server, "_prepare", broken)
@@ -218,14 +218,15 @@ BAD_REQUESTS = [
     ("stream-yes", COMPLETIONS, lambda m: body_of(m, prompt="x", stream="yes"), "stream", "boolean"),
     ("stream-one", CHAT, lambda m: body_of(m, messages=USER, stream=1), "stream", "boolean"),
     ("prompt-false", COMPLETIONS, lambda m: body_of(m, prompt=[False]), "prompt.0", "integer"),
-    ("prompt-batch", COMPLETIONS, lambda m: body_of(m, prompt=["a", "b"]), "prompt.0", "integer"),
-    ("prompt-nested-ids", COMPLETIONS, lambda m: body_of(m, prompt=[[1, 2]]), "prompt.0", "integer"),
+    ("prompt-mixed-batch", COMPLETIONS, lambda m: body_of(m, prompt=["a", 1]), "prompt.1", "string"),
+    ("prompt-batch-of-nothing", COMPLETIONS, lambda m: body_of(m, prompt=[[5], []]), "prompt.1", "empty"),
+    ("prompt-nested-too-deep", COMPLETIONS, lambda m: body_of(m, prompt=[[1, [2]]]), "prompt.0.1", "integer"),
     ("prompt-id-out-of-vocab", COMPLETIONS, lambda m: body_of(m, prompt=[1, 10**12]), "prompt", "token ids"),
     ("prompt-id-negative", COMPLETIONS, lambda m: body_of(m, prompt=[-1]), "prompt", "token ids"),
     ("prompt-empty-ids", COMPLETIONS, lambda m: body_of(m, prompt=[]), "prompt", "empty"),
     ("model-not-a-string", COMPLETIONS, lambda m: json.dumps({"model": 5, "prompt": "x"}).encode(), "model",
      "string"),
-    ("n-true", COMPLETIONS, lambda m: body_of(m, prompt="x", n=True), "n", "n=1"),
+    ("n-true", COMPLETIONS, lambda m: body_of(m, prompt="x", n=True), "n", "integer"),
     ("message-name", CHAT, lambda m: body_of(m, messages=[{"role": "user", "content": "hi", "name": "ada"}]),
      "messages.0.name", "name"),
     ("tool-role", CHAT, lambda m: body_of(m, messages=[{"role": "tool", "content": "x"}]), "messages.0.role", ""),

@@ -211,8 +211,12 @@ class Engine:
         for feed, logits, features, verdict in zip(feeds, run.logits, run.features, verdicts):
             request = feed.request
             if feed.is_prefill:
+                start = request.num_prompt_computed
                 request.num_prompt_computed += len(feed.token_ids)
                 num_kept = len(feed.token_ids)
+                if request.params.prompt_logprobs is not None:
+                    self.output_processor.score_prompt(request, start, logits)
+                token_rows = logits[-1:]  # the first output token comes from the prompt's last row
             else:
                 num_verified = len(feed.draft.tokens)
                 request.stats.record(num_verified, verdict.num_accepted)
@@ -221,8 +225,8 @@ class Engine:
                 # The cache holds [.., pending, d_1..d_l]; keep pending and the accepted drafts.
                 request.cache.truncate(request.cache.length - num_verified + verdict.num_accepted)
                 num_kept = 1 + verdict.num_accepted
-                logits = logits[:num_kept]  # rejected drafts' rows go with their KV entries
-            committed = self.output_processor.commit(request, verdict.token_ids)
+                logits = token_rows = logits[:num_kept]  # rejected drafts' rows go with their KV entries
+            committed = self.output_processor.commit(request, verdict.token_ids, token_rows)
             self.counters.num_generated_tokens += committed
             if features is not None:
                 features = features[:num_kept]

@@ -19,11 +19,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from dspark_trt.errors import DsparkError, InvalidRequestError
 from dspark_trt.runtime.engine import Engine, StepStats
+from dspark_trt.runtime.logprobs import TokenLogprob
 from dspark_trt.runtime.request import FinishReason, Request
 from dspark_trt.runtime.sampling import SamplingParams
 
@@ -46,6 +47,8 @@ class StreamDelta:
     finish_reason: str | None = None  # set on the last delta: stop | length | abort | error
     metrics: dict | None = None  # on the last delta: RequestOutput.metrics
     error: str | None = None  # set with finish_reason "error"
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
 
     @property
     def finished(self) -> bool:
@@ -58,6 +61,7 @@ class _Stream:
     on_delta: Callable[[StreamDelta], None]
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    sent_any: bool = False
 
 
 def longest_stop_prefix(text: str, stops: list[str]) -> int:
@@ -219,9 +223,13 @@ class EngineThread:
         new_text = text[stream.num_sent_chars : end] if end > stream.num_sent_chars else ""
         if not (new_ids or new_text or request.finished):
             return
+        delta = StreamDelta(request.request_id, list(new_ids), new_text,
+                            logprobs=request.output_logprobs[stream.num_sent_tokens:])
+        if not stream.sent_any and request.params.prompt_logprobs is not None:
+            delta.prompt_logprobs = list(request.prompt_logprobs)
         stream.num_sent_tokens = len(request.output_token_ids)
         stream.num_sent_chars = max(stream.num_sent_chars, end)
-        delta = StreamDelta(request.request_id, list(new_ids), new_text)
+        stream.sent_any = True
         if request.finished:
             self._streams.pop(request.request_id, None)
             delta.finish_reason = request.finish_reason.value

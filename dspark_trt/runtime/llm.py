@@ -21,6 +21,7 @@ from dspark_trt.models.loading import LoadedTarget, load_target
 from dspark_trt.runtime.chat import Messages, encode_chat, render_chat
 from dspark_trt.runtime.engine import Engine
 from dspark_trt.runtime.in_flight import Job, run_in_flight
+from dspark_trt.runtime.logprobs import TokenLogprob
 from dspark_trt.runtime.profile import LatencyProfile, torch_backend_name
 from dspark_trt.runtime.proposer import Proposer
 from dspark_trt.runtime.request import Request
@@ -37,11 +38,16 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     metrics: dict = field(default_factory=dict)  # num_steps, num_draft_tokens, num_accepted_tokens, accept_length, ...
+    logprobs: list[TokenLogprob] | None = None  # per output token, with SamplingParams.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, with SamplingParams.prompt_logprobs
 
     @classmethod
     def from_request(cls, request: Request) -> "RequestOutput":
+        params = request.params
         return cls(request.request_id, request.prompt_token_ids, request.output_text,
-                   list(request.output_token_ids), request.finish_reason.value, request.metrics())
+                   list(request.output_token_ids), request.finish_reason.value, request.metrics(),
+                   request.output_logprobs if params.logprobs is not None else None,
+                   request.prompt_logprobs if params.prompt_logprobs is not None else None)
 
 
 class LLM:

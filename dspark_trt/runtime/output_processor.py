@@ -1,8 +1,10 @@
-"""The output processor: committing tokens to a request, its text, and when it stops.
+"""The output processor: committing tokens to a request, its text, its logprobs, and when it stops.
 
-`commit(request, tokens)` appends tokens one at a time and stops at EOS, a stop string,
+`commit(request, tokens, rows)` appends tokens one at a time and stops at EOS, a stop string,
 `max_tokens` or the end of the context, checked token by token so that a speculative step that
-commits several tokens ends exactly where plain decoding would have.
+commits several tokens ends exactly where plain decoding would have. A request that asked for
+logprobs gets those of the tokens it kept, from the rows that produced them (`logprobs.py`);
+`score_prompt` does the same for a prompt chunk's tokens (prompt logprobs, OpenAI's `echo`).
 
 Text is detokenised incrementally (vLLM's two-offset scheme): each request keeps a
 `prefix_offset` and a `read_offset` into its output ids; a step decodes only
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from dspark_trt.runtime.logprobs import token_logprobs
 from dspark_trt.runtime.request import FinishReason, Request
 
 
@@ -38,8 +43,9 @@ class OutputProcessor:
         self.context_length = context_length
         self._offsets: dict[str, _TextOffsets] = {}
 
-    def commit(self, request: Request, tokens: list[int]) -> int:
-        """Append `tokens` (or the part before the request finishes); return how many were appended."""
+    def commit(self, request: Request, tokens: list[int], rows: torch.Tensor | None = None) -> int:
+        """Append `tokens` (or the part before the request finishes); return how many were appended.
+        `rows[i]`: the target logits that produced `tokens[i]` (needed only with logprobs)."""
         params = request.params
         appended = 0
         for token in tokens:
@@ -55,7 +61,21 @@ class OutputProcessor:
                 break
         if not params.stop:
             self._update_text(request)
+        if params.logprobs is not None and appended:
+            request.output_logprobs.extend(token_logprobs(rows, tokens[:appended], params, params.logprobs))
+        if not request.finished and not request.in_prefill and len(request.output_token_ids) >= params.max_tokens:
+            request.finish_reason = FinishReason.LENGTH  # max_tokens 0: the prompt was only scored
         return appended
+
+    def score_prompt(self, request: Request, start: int, rows: torch.Tensor) -> None:
+        """Prompt logprobs of a chunk that began at prompt position `start`; `rows` `[chunk, vocab]`:
+        row j follows prompt token start + j, so it scores token start + j + 1 (the last row of the
+        final chunk scores the first output token instead: `commit`'s)."""
+        params = request.params
+        if start == 0:
+            request.prompt_logprobs.append(None)  # the first prompt token follows nothing
+        scored = request.prompt_token_ids[start + 1 : start + len(rows) + 1]
+        request.prompt_logprobs.extend(token_logprobs(rows, scored, params, params.prompt_logprobs))
 
     def release(self, request: Request) -> None:
         self._offsets.pop(request.request_id, None)

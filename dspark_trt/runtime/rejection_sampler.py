@@ -4,7 +4,8 @@ For a decode feed (anchor + draft `x_1..x_l`, logits at all `l + 1` positions) i
 lossless rule of `sampling.verify_draft`: the accepted draft tokens, then either the
 *recovered* token (resampled from the residual at the first rejection) or, when all `l`
 survive, the *bonus* token (sampled from the target after `x_l`). For the prompt chunk that
-completes a prompt it samples the first output token. A mid-prompt chunk emits nothing.
+completes a prompt it samples the first output token from the chunk's last row (none for
+`max_tokens` 0: the prompt was only to be scored). A mid-prompt chunk emits nothing.
 
 It decides tokens and nothing else: committing, rolling the KV cache back and stop
 conditions are the engine's postprocess. Each request's own `torch.Generator` drives every
@@ -33,7 +34,8 @@ def rejection_sample(feeds: list[Feed], logits: list[torch.Tensor]) -> list[Verd
     for feed, rows in zip(feeds, logits):
         request = feed.request
         if feed.is_prefill:
-            tokens = [next_token(rows[0], request.params, request.generator)] if len(rows) else []
+            emits = feed.completes_prompt and request.params.max_tokens > 0
+            tokens = [next_token(rows[-1], request.params, request.generator)] if emits else []
             verdicts.append(Verdict(tokens, 0))
             continue
         draft, greedy = feed.draft, request.params.greedy

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_trt.models.kv_cache import KVCache
+from dspark_trt.runtime.logprobs import TokenLogprob
 from dspark_trt.runtime.sampling import SamplingParams
 
 
@@ -100,6 +101,10 @@ class Request:
     finish_reason: FinishReason | None = None
     output_text: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
+    # With params.logprobs: one per output token. With params.prompt_logprobs: one per prompt token,
+    # None for the first (nothing precedes it).
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def in_prefill(self) -> bool:

@@ -3,6 +3,9 @@
 - `SamplingParams`: what a request asks for (validated on construction).
 - `target_probs`: logits -> the distribution a request samples from (temperature, top-k, top-p);
   a temperature below `GREEDY_BELOW` (0 included) is greedy and gives a point mass on the argmax.
+- `target_logprobs`: the same distribution in log space, what a request reports as logprobs
+  (OpenAI's `logprobs`; vLLM's "processed logprobs"). A greedy request reports the model's own
+  distribution (temperature 1, no top-k/top-p): its point mass would say nothing but the argmax.
 - `verify_draft`: the lossless speculative rule. Draft tokens `x_1..x_l` are checked against the
   target distributions `p_1..p_{l+1}`; token `x_k` is accepted with probability
   `min(1, p_k(x_k) / q_k(x_k))`; the first rejection is resampled from the normalised residual
@@ -31,6 +34,8 @@ from dspark_trt.errors import InvalidRequestError
 GREEDY_BELOW = 1e-5
 # What `torch.Generator.manual_seed` takes: any signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The most alternatives a request may ask logprobs for at each position (OpenAI's chat limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -42,12 +47,27 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # generation ends before the first stop string
     ignore_eos: bool = False
+    # Logprobs of each generated token, with this many most likely alternatives (None: off).
+    logprobs: int | None = None
+    # Logprobs of each prompt token after the first, with this many alternatives (None: off).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}",
+                                          name)
+        # max_tokens 0 only makes sense when the prompt itself is scored (lm-eval's loglikelihood).
+        fewest = 0 if self.prompt_logprobs is not None else 1
+        if (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                or self.max_tokens < fewest):
+            wanted = ">= 1 (0 only with prompt_logprobs)" if fewest else ">= 0"
+            raise InvalidRequestError(f"max_tokens must be an integer {wanted}, got {self.max_tokens!r}",
+                                      "max_tokens")
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not 0 <= self.temperature < math.inf):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
@@ -97,19 +117,45 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
+    probs = torch.softmax(_tempered_top_k(logits, params), dim=-1)
+    if params.top_p < 1.0:
+        probs = probs.masked_fill(~_nucleus(probs, params.top_p), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def target_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits `[n, vocab]` -> log of the distribution `target_probs` samples from `[n, vocab]`
+    (float32; -inf where top-k or top-p leaves a token out), computed in log space so that
+    unlikely tokens keep their value instead of underflowing. Greedy: the model's own
+    distribution, `log_softmax(logits)` (see the module docstring)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    tempered = _tempered_top_k(logits, params)
+    logprobs = torch.log_softmax(tempered, dim=-1)
+    if params.top_p < 1.0:
+        keep = _nucleus(torch.softmax(tempered, dim=-1), params.top_p)  # the very tokens target_probs keeps
+        kept_mass = torch.logsumexp(logprobs.masked_fill(~keep, float("-inf")), dim=-1, keepdim=True)
+        logprobs = (logprobs - kept_mass).masked_fill(~keep, float("-inf"))
+    return logprobs
+
+
+def _tempered_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits divided by the temperature, -inf outside the top k (when top-k is on)."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return logits
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens top-p keeps `[n, vocab]` (bool): the smallest most-likely prefix whose mass
+    reaches top_p (the token that crosses it stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -31,6 +31,10 @@ from dspark_trt.runtime.stats import StepStats
 from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 
+# A prompt whose tokens are scored (prompt_logprobs) needs a logit row per token: its chunks are
+# cut to this many tokens, so one step's rows stay ~100 MB (512 x a 49k vocabulary, fp32).
+PROMPT_LOGPROBS_CHUNK = 512
+
 
 @dataclass
 class Feed:
@@ -39,7 +43,9 @@ class Feed:
     request: Request
     token_ids: list[int]  # a prompt chunk, or [pending token] + draft.tokens
     draft: Draft | None  # None: a prompt chunk
-    num_logit_rows: int  # logits it needs: every row of a decode feed, the last of a prompt's final chunk, else 0
+    num_logit_rows: int  # logits it needs: every row of a decode feed or of a scored prompt's chunk (prompt
+    # logprobs), the last of a prompt's final chunk, else 0
+    completes_prompt: bool = False  # a prompt chunk that ends its prompt: the first output token follows it
 
     @property
     def is_prefill(self) -> bool:
@@ -148,9 +154,11 @@ class Scheduler:
         for request in self.running:
             if request.in_prefill and (budget > 0 or not feeds):
                 start = request.num_prompt_computed
-                chunk = request.prompt_token_ids[start : start + max(budget, 1)]
+                scored = request.params.prompt_logprobs is not None
+                size = min(max(budget, 1), PROMPT_LOGPROBS_CHUNK) if scored else max(budget, 1)
+                chunk = request.prompt_token_ids[start : start + size]
                 completes = start + len(chunk) == len(request.prompt_token_ids)
-                feeds.append(Feed(request, chunk, None, num_logit_rows=int(completes)))
+                feeds.append(Feed(request, chunk, None, len(chunk) if scored else int(completes), completes))
                 budget -= len(chunk)
         plan.feeds = feeds
         plan.stats.batch_tokens = sum(len(feed.token_ids) for feed in feeds)

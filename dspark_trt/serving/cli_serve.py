@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dspark_trt.cli_options import dtype_option
-from dspark_trt.serving.protocol import DEFAULT_MAX_BODY_BYTES
+from dspark_trt.serving.protocol import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES
 
 POLICY_HELP = ("Verification policy: auto, none, all, fixed:K, threshold:H, dspark, dspark-lagged "
                "[default: auto = dspark with a DSpark drafter, the whole block (all) with other drafters, "
@@ -70,6 +70,8 @@ def runtime_options(command):
                    "admitted, more get HTTP 429 [default: no limit].")
 @click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True,
               help="Largest request body accepted; a larger one gets HTTP 413 before it is read.")
+@click.option("--max-choices", type=click.IntRange(min=1), default=DEFAULT_MAX_CHOICES, show_default=True,
+              help="Most choices one request may ask for (its prompts x n); each runs as a request of its own.")
 @click.option("--served-model-name", default=None, help="The model name clients send (default: the target's name).")
 @click.option("--batch-invariant", is_flag=True,
               help="Each request's output is what it would be alone (bit-identical logits whatever is batched "
@@ -77,7 +79,7 @@ def runtime_options(command):
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_size, max_model_len, dtype, host, port,
-                  api_key, max_queue, max_body_bytes, served_model_name, batch_invariant, log_level):
+                  api_key, max_queue, max_body_bytes, max_choices, served_model_name, batch_invariant, log_level):
     """Serve an OpenAI-compatible API (completions, chat, streaming, /metrics) with in-flight batching.
 
     Give an ENGINE_DIR written by `dspark-trt build`, or choose --target/--drafter/--policy.
@@ -95,7 +97,7 @@ def serve_command(engine_dir, target, drafter, policy, profile_path, max_batch_s
                + (f", drafter {type(engine.proposer).__name__}" if engine.proposer else "")
                + f" on http://{host}:{port}", err=True)
     run_server(llm, host=host, port=port, api_key=api_key, max_queue=max_queue, model_name=served_model_name,
-               log_level=log_level, max_body_bytes=max_body_bytes)
+               log_level=log_level, max_body_bytes=max_body_bytes, max_choices=max_choices)
 
 
 @click.command("profile")

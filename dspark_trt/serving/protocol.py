@@ -8,8 +8,11 @@
 - `parse_request`: a JSON value -> `CompletionRequest` / `ChatCompletionRequest`. The models are
   strict (`"max_tokens": "4"`, `true`, `"stream": "yes"`, `"prompt": [false]` are errors, not
   coerced) and unknown fields are errors, except a few OpenAI clients send that change nothing
-  at their neutral value (`n=1`, `logprobs` off, zero penalties, `user`): silently ignoring a
-  field the user set would be silent wrong output.
+  at their neutral value (zero penalties, `best_of=1`, no tools, `user`): silently ignoring a
+  field the user set would be silent wrong output. Served: `n`, `logprobs` (completions: a
+  count; chat: `logprobs` + `top_logprobs`), `echo` (completions, with `max_tokens` 0 allowed:
+  lm-eval's loglikelihood request), and a completions `prompt` that is a string, token ids, or a
+  list of either (one choice per prompt and per `n`).
 
 Every error is an `InvalidRequestError` whose `param` is the path of the offending value in the
 client's JSON (`messages.0.content.1.type`). This module only parses and shapes JSON; it never
@@ -24,12 +27,14 @@ import re
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from dspark_trt.errors import InvalidRequestError
-from dspark_trt.runtime.sampling import SEED_MAX, SEED_MIN
+from dspark_trt.runtime.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a 128k-token context fits, as text or as ids; 8 MB does not
+DEFAULT_MAX_CHOICES = 64  # choices one request may ask for (its prompts x n): each runs as a request of its own
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~5 deep; far below the decoder's recursion limit (~1000)
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_STOPS = 16  # OpenAI allows 4; every stop string is checked against the text at every step
@@ -37,13 +42,9 @@ MAX_STOP_CHARS = 256
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
-# Fields accepted only at the value that means "feature off" (compared with the type too: `n: true`
-# equals 1 in Python, but it is not what a strict API takes).
+# Fields accepted only at the value that means "feature off" (compared with the type too: `best_of:
+# true` equals 1 in Python, but it is not what a strict API takes).
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "n": (1, None),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -152,11 +153,10 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: int | None = Field(None, description="choices to generate (per prompt), each an independent sample; "
+                                            "with a seed, choice i uses a seed derived from it and i",
+                          json_schema_extra={"minimum": 1})
     # accepted only at their neutral value (see NEUTRAL_VALUES)
-    n: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
@@ -170,12 +170,16 @@ class SamplingFields(StrictModel):
     @field_validator(*NEUTRAL_VALUES)
     @classmethod
     def _neutral_only(cls, value, info: ValidationInfo):
-        allowed = NEUTRAL_VALUES[info.field_name]
-        if not any(type(value) is type(a) and value == a for a in allowed):
-            neutral = next((a for a in allowed if a is not None), None)
-            raise ValueError(f"unsupported field {info.field_name}={short_repr(value)}: this server supports only "
-                             f"{info.field_name}={neutral!r}")
-        return value
+        return _neutral(value, info.field_name, NEUTRAL_VALUES[info.field_name])
+
+    @field_validator("n")
+    @classmethod
+    def _positive_n(cls, value):
+        return _in_range(value, "n", lambda v: v is None or v >= 1, ">= 1")
+
+    @property
+    def num_choices_per_prompt(self) -> int:
+        return 1 if self.n is None else self.n
 
     @field_validator("stream_options")
     @classmethod
@@ -235,6 +239,13 @@ class SamplingFields(StrictModel):
         return "max_tokens"
 
 
+def _neutral(value, name: str, allowed: tuple):
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        neutral = next((a for a in allowed if a is not None), None)
+        raise ValueError(f"unsupported field {name}={short_repr(value)}: this server supports only {name}={neutral!r}")
+    return value
+
+
 def _in_range(value, name: str, ok, wanted: str):
     # `not ok(...)`, not a negated comparison: NaN fails every comparison, so it fails here.
     if not ok(value):
@@ -243,8 +254,53 @@ def _in_range(value, name: str, ok, wanted: str):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
-    max_tokens: int | None = Field(16, description="OpenAI's default for completions")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, token ids, or a list of either: one choice per prompt (and per n), the choices of "
+                         "prompt p numbered p * n to p * n + n - 1")
+    max_tokens: int | None = Field(16, description="OpenAI's default for completions; 0 only with echo (score the "
+                                                   "prompt, generate nothing)", json_schema_extra={"minimum": 0})
+    logprobs: int | None = Field(None, description="logprobs of each generated token (and, with echo, each prompt "
+                                                   "token after the first) with this many most likely alternatives",
+                                 json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
+    echo: bool | None = Field(None, description="the prompt's text (and, with logprobs, its tokens' logprobs) "
+                                                "before each choice's completion")
+    top_logprobs: Any = Field(None, description="chat only: completions take logprobs: N")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_max_tokens(cls, value):  # replaces SamplingFields' (0 with echo: the model validator below)
+        return _in_range(value, "max_tokens", lambda v: v is None or v >= 0, ">= 0")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, value):
+        return _in_range(value, "logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS,
+                         f"an integer in [0, {MAX_LOGPROBS}]")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value):
+        if value is not None:
+            raise ValueError("top_logprobs is a chat completions field; completions take logprobs: N")
+        return value
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)",
+                                      "max_tokens")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: text or token ids."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def prompt_is_list(self) -> bool:
+        """Whether `prompt` is a list of prompts (errors then name `prompt.i`)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
 
 
 class TextPart(StrictModel):
@@ -264,6 +320,24 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, description="the newer name of max_tokens")
+    logprobs: bool | None = Field(None, description="logprobs of each generated token")
+    top_logprobs: int | None = Field(None, description="with logprobs: this many most likely alternatives per token",
+                                     json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
+    echo: Any = Field(None, description="completions only (accepted only as false)")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value):
+        return _neutral(value, "echo", (None, False))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_range(cls, value, info: ValidationInfo):
+        value = _in_range(value, "top_logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS,
+                          f"an integer in [0, {MAX_LOGPROBS}]")
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -301,11 +375,13 @@ def parse_request(model: type[BaseModel], body: Any) -> BaseModel:
 
 
 def _first_error(errors: list[dict], body: dict) -> InvalidRequestError:
-    # A union (`str | list[int]`) reports one error per member; the member that got deepest into
-    # the client's value is the one the client meant.
+    # A union (`str | list[int] | list[str]`) reports one error per member; the member that got
+    # deepest into the client's value, and furthest along its lists, is the one the client meant
+    # (`["a", 1]` is a list of strings with a bad item 1, not a list of ids with a bad item 0).
     paths = [_client_path(body, error["loc"], error.get("type") in ("missing", "extra_forbidden")) for error in errors]
     field = paths[0][:1]
-    index = max((i for i, path in enumerate(paths) if path[:1] == field), key=lambda i: len(paths[i]))
+    index = max((i for i, path in enumerate(paths) if path[:1] == field),
+                key=lambda i: (len(paths[i]), [part for part in paths[i] if isinstance(part, int)]))
     error, location = errors[index], json_path(paths[index])
     raised = (error.get("ctx") or {}).get("error")
     if isinstance(raised, InvalidRequestError):  # a validator that knew the exact field

@@ -3,8 +3,15 @@
     GET  /health               200 while serving, 503 while draining (public)
     GET  /metrics              Prometheus text (public; see metrics.py)
     GET  /v1/models
-    POST /v1/completions       prompt -> text; `stream: true` sends server-sent events
+    POST /v1/completions       prompt(s) -> text; `stream: true` sends server-sent events
     POST /v1/chat/completions  messages -> reply (the target's chat template)
+
+A request becomes one choice per prompt and per `n` (at most `max_choices`), each an engine
+request of its own with its own seed (`choice_seed`); their answers come back together, or
+interleaved by choice index when streamed. `logprobs` are the target's (`runtime/logprobs.py`),
+shaped by `openai_logprobs.py`; `echo` puts the prompt, and with logprobs its tokens' logprobs,
+before each completion. A body may come gzip- or deflate-encoded (`content_encoding.py`; 415 for
+another encoding).
 
 Every request goes to one `EngineThread`, so concurrent HTTP requests share each target step.
 A client that disconnects, streaming or not, has its request cancelled (its KV slot is freed at
@@ -13,9 +20,10 @@ worker thread, so a big or slow request never holds up `/health` or other client
 
 Every error is OpenAI's error body, whatever raised it: 400 for bad input (protocol.py says
 what is refused, and why), 401 for a bad key, 404/405 for a wrong route or method, 413 for a
-body over `max_body_bytes`, 429 when every slot runs a request and `max_queue` more wait, 503
-while draining (both with Retry-After), 500 for our own bugs. SIGTERM stops accepting
-connections, lets in-flight requests finish, then stops the engine.
+body over `max_body_bytes` (as sent or decoded), 415 for an unknown Content-Encoding, 429 when
+every slot runs a request and `max_queue` more wait, 503 while draining (both with Retry-After),
+500 for our own bugs. SIGTERM stops accepting connections, lets in-flight requests finish, then
+stops the engine.
 
 Responses carry OpenAI's `usage`, plus a `dspark` object with the request's speculative
 statistics (steps, draft and accepted tokens, acceptance length tau).
@@ -29,6 +37,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -40,10 +49,13 @@ from starlette.requests import ClientDisconnect
 from dspark_trt.errors import DsparkError, InvalidRequestError
 from dspark_trt.runtime.engine_thread import EngineThread, QueueFullError, ShuttingDownError, StreamDelta
 from dspark_trt.runtime.llm import LLM
+from dspark_trt.runtime.logprobs import TokenLogprob
 from dspark_trt.runtime.sampling import SamplingParams
+from dspark_trt.serving.content_encoding import BodyTooLargeError, UnsupportedEncodingError, decode_content
 from dspark_trt.serving.metrics import ServerMetrics
-from dspark_trt.serving.protocol import (DEFAULT_MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest,
-                                         decode_body, error_body, parse_request)
+from dspark_trt.serving.openai_logprobs import LogprobFormatter
+from dspark_trt.serving.protocol import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, ChatCompletionRequest,
+                                         CompletionRequest, decode_body, error_body, parse_request)
 
 PUBLIC_PATHS = ("/health", "/metrics")
 
@@ -67,18 +79,15 @@ def speculative_stats(metrics: dict) -> dict:
             "mean_verify_budget": metrics.get("num_draft_tokens", 0) / steps if steps else 0.0}
 
 
-def usage_of(metrics: dict) -> dict:
-    prompt, completion = metrics.get("prompt_tokens", 0), metrics.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 class Server:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None, max_queue: int | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_choices: int = DEFAULT_MAX_CHOICES):
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_choices = max_choices  # a request's prompts x n
+        self.logprob_formatter = LogprobFormatter(llm.tokenizer)
         self.engine_thread = EngineThread(llm.engine, max_queue=max_queue)
         self.metrics = ServerMetrics(self.engine_thread, model_name)
         self.engine_thread.on_step = self._observe_step
@@ -155,12 +164,12 @@ class Server:
 
     async def _serve(self, request: Request, chat: bool):
         raw = await self._read_body(request)
-        # Off the event loop: decoding a 2 MB body or tokenising a long prompt takes a while.
-        body, prompt_ids, params = await run_in_threadpool(self._prepare, raw, chat)
-        return await self._respond(request, body, prompt_ids, params, chat)
+        # Off the event loop: inflating or decoding a 2 MB body or tokenising long prompts takes a while.
+        prepared = await run_in_threadpool(self._prepare, raw, chat, request.headers.get("content-encoding"))
+        return await self._respond(request, prepared)
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it is known to exceed `max_body_bytes` (from
+        """The body as sent, refused with 413 as soon as it is known to exceed `max_body_bytes` (from
         Content-Length before reading a byte; counted while reading a chunked one)."""
         too_large = HTTPError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
                                    "bytes (serve --max-body-bytes)", code="request_too_large")
@@ -178,22 +187,50 @@ class Server:
             raise HTTPError(499, "client disconnected") from None
         return b"".join(chunks)
 
-    def _prepare(self, raw: bytes, chat: bool):
-        """Body bytes -> (validated request, prompt token ids, sampling parameters); HTTPError 400
-        for anything wrong with them. Runs in a worker thread."""
+    def _prepare(self, raw: bytes, chat: bool, content_encoding: str | None = None) -> PreparedRequest:
+        """Body bytes -> the validated request and its choices; HTTPError 4xx for anything wrong with
+        them. Runs in a worker thread."""
         try:
-            body = parse_request(ChatCompletionRequest if chat else CompletionRequest, decode_body(raw))
+            body = parse_request(ChatCompletionRequest if chat else CompletionRequest,
+                                 decode_body(decode_content(raw, content_encoding, self.max_body_bytes)))
+        except UnsupportedEncodingError as e:
+            raise HTTPError(415, str(e), code="unsupported_content_encoding") from None
+        except BodyTooLargeError as e:
+            raise HTTPError(413, str(e), code="request_too_large") from None
         except InvalidRequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
         if body.model != self.model_name:
             raise HTTPError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r}",
                             param="model", code="model_not_found")
         try:
-            prompt_ids = self._chat_prompt(body) if chat else self.llm.encode(body.prompt)
-            self.llm.engine.check_prompt(prompt_ids)
-            return body, prompt_ids, self._sampling_params(body, prompt_ids, chat)
+            return PreparedRequest(body, chat, self._choices(body, chat))
         except InvalidRequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
+
+    def _choices(self, body, chat: bool) -> list[ChoiceSpec]:
+        """One choice per prompt and per `n`, numbered prompt by prompt (OpenAI's order)."""
+        prompts = [(self._chat_prompt(body), "")] if chat else self._completion_prompts(body)
+        n = body.num_choices_per_prompt
+        if len(prompts) * n > self.max_choices:
+            raise InvalidRequestError(
+                f"the request asks for {len(prompts) * n} choices ({len(prompts)} prompt(s) x n={n}); this server "
+                f"generates at most {self.max_choices} per request (serve --max-choices)", "n")
+        return [ChoiceSpec(index=p * n + i, prompt_index=p, prompt_ids=ids, echo_text=echo,
+                           params=self._sampling_params(body, ids, chat, i))
+                for p, (ids, echo) in enumerate(prompts) for i in range(n)]
+
+    def _completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
+        """Each prompt's token ids, and the text echo puts before its completions ("" without echo)."""
+        prompts = []
+        for i, prompt in enumerate(body.prompts()):
+            try:
+                ids = self.llm.encode(prompt)
+                self.llm.engine.check_prompt(ids)
+            except InvalidRequestError as e:  # which prompt of a list
+                raise InvalidRequestError(str(e), f"prompt.{i}" if body.prompt_is_list else "prompt") from None
+            echo = (prompt if isinstance(prompt, str) else self.llm.tokenizer.decode(ids)) if body.echo else ""
+            prompts.append((ids, echo))
+        return prompts
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The chat template's token ids. A message's `name` goes to the template; where the template
@@ -209,9 +246,11 @@ class Server:
                 raise InvalidRequestError(f"the chat template of {self.model_name} has no place for a message's "
                                           "name, so it would be ignored; leave it out", f"messages.{first}.name")
             messages = named
-        return self.llm.encode_chat(messages)
+        ids = self.llm.encode_chat(messages)
+        self.llm.engine.check_prompt(ids)
+        return ids
 
-    def _sampling_params(self, body, prompt_ids: list[int], chat: bool) -> SamplingParams:
+    def _sampling_params(self, body, prompt_ids: list[int], chat: bool, sample_index: int) -> SamplingParams:
         context = self.llm.engine.context_length
         max_tokens = body.output_limit
         if max_tokens is None:
@@ -222,105 +261,216 @@ class Server:
                 f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max_tokens} "
                 f"were requested ({len(prompt_ids)} in the {what}, {max_tokens} in the completion); reduce the "
                 f"length of the {what} or {body.output_limit_field}", body.output_limit_field)
+        if chat:
+            logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
+        else:
+            logprobs = body.logprobs
+            prompt_logprobs = logprobs if body.echo else None
+            if max_tokens == 0 and prompt_logprobs is None:
+                prompt_logprobs = 0  # the engine runs a prompt alone only to score it; echo drops the scores
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              seed=body.seed, stop=body.stop_list)
+                              seed=choice_seed(body.seed, sample_index), stop=body.stop_list, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
 
-    async def _respond(self, request: Request, body, prompt_ids: list[int], params: SamplingParams, chat: bool):
+    async def _respond(self, request: Request, prepared: PreparedRequest):
         loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        deltas: asyncio.Queue[tuple[int, StreamDelta]] = asyncio.Queue()  # (choice index, delta)
         arrival = time.perf_counter()
+        request_ids: dict[int, str] = {}
         try:
-            request_id = self.engine_thread.submit(prompt_ids, params,
-                                                   lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
-        except InvalidRequestError as e:
-            raise HTTPError(400, str(e), param=e.param) from None
-        except QueueFullError as e:
-            raise HTTPError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        except ShuttingDownError as e:
-            raise HTTPError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        timer = _LatencyTimer(self.metrics, arrival)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(deltas, request_id, response_id, chat, include_usage, timer)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await self._collect(request, deltas, request_id, response_id, chat, timer)
+            for choice in prepared.choices:
+                request_ids[choice.index] = self.engine_thread.submit(
+                    choice.prompt_ids, choice.params,
+                    lambda d, index=choice.index: loop.call_soon_threadsafe(deltas.put_nowait, (index, d)))
+        except (InvalidRequestError, QueueFullError, ShuttingDownError) as e:
+            for request_id in request_ids.values():  # all of a request's choices run, or none
+                self.engine_thread.cancel(request_id)
+            raise _submit_error(e) from None
+        response_id = ("chatcmpl-" if prepared.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        timers = {index: _LatencyTimer(self.metrics, arrival) for index in request_ids}
+        if prepared.body.stream:
+            return StreamingResponse(self._stream(prepared, deltas, request_ids, response_id, timers),
+                                     media_type="text/event-stream")
+        return await self._collect(request, prepared, deltas, request_ids, response_id, timers)
 
-    async def _collect(self, request: Request, deltas, request_id, response_id, chat, timer):
+    async def _collect(self, request: Request, prepared: PreparedRequest, deltas, request_ids: dict[int, str],
+                       response_id: str, timers: dict):
         # Watch for the client leaving while we wait: tokens keep arriving every step, so only a
         # listener of its own sees the disconnect in time (within a step, not at max_tokens).
-        watcher = asyncio.create_task(self._cancel_on_disconnect(request, request_id))
-        pieces = []
+        watcher = asyncio.create_task(self._cancel_on_disconnect(request, list(request_ids.values())))
+        results = {index: _ChoiceResult() for index in request_ids}
         try:
-            while True:
-                delta = await deltas.get()
-                timer.observe(delta)
-                pieces.append(delta.text)
-                if delta.finished:
-                    break
+            while not all(result.finish_reason for result in results.values()):
+                index, delta = await deltas.get()
+                timers[index].observe(delta)
+                results[index].add(delta)
         finally:
             watcher.cancel()
-        if delta.finish_reason == "abort":  # cancelled: the client has gone (or the server is stopping)
+        reasons = {result.finish_reason for result in results.values()}
+        if "abort" in reasons:  # cancelled: the client has gone (or the server is stopping)
             return JSONResponse(error_body("client disconnected"), 499)
-        if delta.finish_reason == "error":
-            raise HTTPError(500, f"generation failed: {delta.error}", "server_error")
-        text = "".join(pieces)
-        choice = {"index": 0, "finish_reason": delta.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                "usage": usage_of(delta.metrics), "dspark": speculative_stats(delta.metrics)}
+        if "error" in reasons:
+            error = next(result.error for result in results.values() if result.finish_reason == "error")
+            raise HTTPError(500, f"generation failed: {error}", "server_error")
+        choices = [self._choice_json(prepared, spec, results[spec.index]) for spec in prepared.choices]
+        metrics = [result.metrics for result in results.values()]
+        return {"id": response_id, "object": "chat.completion" if prepared.chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "usage": prepared.usage(metrics), "dspark": speculative_stats(merged_metrics(metrics))}
 
-    async def _stream(self, deltas, request_id, response_id, chat, include_usage, timer):
+    def _choice_json(self, prepared: PreparedRequest, spec: ChoiceSpec, result: _ChoiceResult) -> dict:
+        body, text = prepared.body, "".join(result.pieces)
+        if prepared.chat:
+            logprobs = self.logprob_formatter.chat(result.logprobs) if body.logprobs else None
+            return {"index": spec.index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": result.finish_reason, "logprobs": logprobs}
+        logprobs = None
+        if body.logprobs is not None:
+            token_ids, entries = result.token_ids, result.logprobs
+            if body.echo:
+                token_ids, entries = spec.prompt_ids + token_ids, result.prompt_logprobs + entries
+            logprobs = self.logprob_formatter.completion(token_ids, entries, 0)[0]
+        return {"index": spec.index, "text": spec.echo_text + text, "finish_reason": result.finish_reason,
+                "logprobs": logprobs}
+
+    async def _stream(self, prepared: PreparedRequest, deltas, request_ids: dict[int, str], response_id: str,
+                      timers: dict):
+        body, chat = prepared.body, prepared.chat
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
+        specs = {spec.index: spec for spec in prepared.choices}
+        started: set[int] = set()  # choices that have sent their first chunk
+        text_offsets = {index: 0 for index in specs}  # completions logprobs' text_offset, per choice
+        final_metrics: dict[int, dict] = {}
 
-        def chunk(text: str | None, finish_reason: str | None, first: bool = False, **extra) -> str:
+        def chunk(index: int, delta: StreamDelta, text: str) -> str:
+            first, finished = index not in started, delta.finished
             if chat:
-                delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                message = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                logprobs = self.logprob_formatter.chat(delta.logprobs) if body.logprobs else None
+                choice = {"index": index, "delta": message, "finish_reason": delta.finish_reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+                logprobs = None
+                if body.logprobs is not None:
+                    token_ids, entries = delta.token_ids, delta.logprobs
+                    if first and body.echo:
+                        token_ids, entries = specs[index].prompt_ids + token_ids, delta.prompt_logprobs + entries
+                    logprobs, text_offsets[index] = self.logprob_formatter.completion(token_ids, entries,
+                                                                                      text_offsets[index])
+                choice = {"index": index, "text": text, "finish_reason": delta.finish_reason, "logprobs": logprobs}
+            stats = {"num_tokens": len(delta.token_ids)}  # lets clients time each token (bench ITL)
+            if finished:
+                stats.update(speculative_stats(delta.metrics))
             payload = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
-                       "choices": [choice], **extra}
+                       "choices": [choice], "dspark": stats}
             return f"data: {json.dumps(payload)}\n\n"
 
-        finished = False
-        first = True
         try:
-            while not finished:
-                delta = await deltas.get()
-                timer.observe(delta)
-                finished = delta.finished
+            while len(final_metrics) < len(request_ids):
+                index, delta = await deltas.get()
+                timers[index].observe(delta)
                 if delta.finish_reason == "error":
                     yield f"data: {json.dumps(error_body(f'generation failed: {delta.error}', 'server_error'))}\n\n"
                     break
-                if not (delta.text or finished or first):
+                if delta.finished:
+                    final_metrics[index] = delta.metrics
+                first = index not in started
+                text = (specs[index].echo_text if first else "") + delta.text
+                if not (text or delta.finished or first or delta.logprobs):
                     continue
-                stats = {"num_tokens": len(delta.token_ids)}  # lets clients time each token (bench ITL)
-                if finished:
-                    stats.update(speculative_stats(delta.metrics))
-                extra = {"dspark": stats}
-                yield chunk(delta.text, delta.finish_reason if finished else None, first, **extra)
-                first = False
-                if finished and include_usage:
+                yield chunk(index, delta, text)
+                started.add(index)
+            else:
+                if body.stream_options and body.stream_options.include_usage:
                     payload = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
-                               "choices": [], "usage": usage_of(delta.metrics)}
+                               "choices": [], "usage": prepared.usage(list(final_metrics.values()))}
                     yield f"data: {json.dumps(payload)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away (or the stream broke): free the request's memory
-                self.engine_thread.cancel(request_id)
+            for index, request_id in request_ids.items():
+                if index not in final_metrics:  # the client went away (or the stream broke): free the memory
+                    self.engine_thread.cancel(request_id)
 
-
-    async def _cancel_on_disconnect(self, request: Request, request_id: str) -> None:
+    async def _cancel_on_disconnect(self, request: Request, request_ids: list[str]) -> None:
         # The body has been read, so the next ASGI message is the disconnect.
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.engine_thread.cancel(request_id)
+        for request_id in request_ids:
+            self.engine_thread.cancel(request_id)
+
+
+@dataclass
+class ChoiceSpec:
+    """One choice a request asks for: its prompt and sampling parameters."""
+
+    index: int  # OpenAI's choice index: prompt_index * n + sample index
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo_text: str  # put before the completion (completions' echo), "" otherwise
+
+
+@dataclass
+class PreparedRequest:
+    body: CompletionRequest | ChatCompletionRequest
+    chat: bool
+    choices: list[ChoiceSpec]
+
+    def usage(self, metrics: list[dict]) -> dict:
+        """OpenAI's usage: each prompt counted once (however many choices it has), every choice's tokens."""
+        prompt = sum(len(spec.prompt_ids) for spec in {spec.prompt_index: spec for spec in self.choices}.values())
+        completion = sum(m.get("completion_tokens", 0) for m in metrics if m)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class _ChoiceResult:
+    """A choice's deltas gathered (non-streaming)."""
+
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: dict | None = None
+    error: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.pieces.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason, self.metrics, self.error = delta.finish_reason, delta.metrics, delta.error
+
+
+def choice_seed(seed: int | None, sample_index: int) -> int | None:
+    """The seed of a request's `sample_index`-th choice: the request's own for the first (so `n=1`
+    and the first of `n=2` agree), then a 64-bit mix of it and the index (splitmix64), so the
+    choices are independent samples and seeds s and s+1 do not share choices."""
+    if seed is None or sample_index == 0:
+        return seed
+    mixed = (seed + 0x9E3779B97F4A7C15 * sample_index) % 2**64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) % 2**64
+    return mixed ^ (mixed >> 31)
+
+
+def _submit_error(error: Exception) -> HTTPError:
+    if isinstance(error, QueueFullError):
+        return HTTPError(429, str(error), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(error, ShuttingDownError):
+        return HTTPError(503, str(error), "service_unavailable", headers={"Retry-After": "5"})
+    return HTTPError(400, str(error), param=getattr(error, "param", None))
+
+
+def merged_metrics(metrics: list[dict | None]) -> dict:
+    """Several choices' speculation counts as one request's."""
+    total = {key: sum((m or {}).get(key, 0) for m in metrics)
+             for key in ("num_steps", "num_draft_tokens", "num_accepted_tokens")}
+    total["accept_length"] = 1.0 + total["num_accepted_tokens"] / total["num_steps"] if total["num_steps"] else 1.0
+    return total
 
 
 def request_body_schema(model) -> dict:
@@ -369,12 +519,12 @@ class _LatencyTimer:
 
 def run_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                max_queue: int | None = None, model_name: str | None = None, log_level: str = "info",
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_choices: int = DEFAULT_MAX_CHOICES) -> None:
     """Serve until SIGTERM/SIGINT; then drain in-flight requests and stop."""
     import uvicorn
 
     server = Server(llm, model_name or llm.target.name, api_key=api_key, max_queue=max_queue,
-                    max_body_bytes=max_body_bytes)
+                    max_body_bytes=max_body_bytes, max_choices=max_choices)
     config = uvicorn.Config(server.app(), host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=None)
 

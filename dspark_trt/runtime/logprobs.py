@@ -1,0 +1,51 @@
+"""Logprobs a request reports: for each committed (or prompt) token, its log probability under the
+target and the most likely alternatives at that position.
+
+    token_logprobs(rows, token_ids, params, num_top) -> [TokenLogprob]   rows[i] produced token_ids[i]
+
+The distribution is `sampling.target_logprobs`: the target's logits processed by the request's
+own sampling parameters (temperature, top-k, top-p), the one its tokens are drawn from; greedy
+requests report the model's own distribution. Never the drafter's.
+
+Why speculation cannot change them: a committed token's row is the target's logits at that
+position given the committed tokens before it. Verification computes the rows of the anchor and
+of every draft token in one forward, and keeps only the rows up to the first rejection, which
+are exactly the positions whose preceding tokens were all committed. So an accepted draft token,
+a recovered token and a bonus token each report the row plain decoding would compute at that
+position (equal up to the float rounding of a wider matmul; our bf16 CPU kernels give the same
+bits). The engine hands this module only kept rows (`Engine._postprocess`).
+
+It computes numbers and nothing else: token strings and JSON shapes are the server's
+(`serving/openai_logprobs.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark_trt.runtime.sampling import SamplingParams, target_logprobs
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # -inf where top-k / top-p leaves the token out
+    top: list[tuple[int, float]]  # the `num_top` most likely (token id, logprob), most likely first
+
+
+def token_logprobs(rows: torch.Tensor, token_ids: list[int], params: SamplingParams,
+                   num_top: int) -> list[TokenLogprob]:
+    """One `TokenLogprob` per token; `rows` `[len(token_ids), vocab]` are the target logits that
+    produced them (row i: the logits after the tokens before token i)."""
+    if not token_ids:
+        return []
+    logprobs = target_logprobs(rows[: len(token_ids)], params)  # [n, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
+    if num_top:
+        values, ids = torch.topk(logprobs, num_top, dim=-1)  # [n, num_top], most likely first
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprob(token, value, top) for token, value, top in zip(token_ids, chosen, tops)]
