@@ -359,7 +359,7 @@ class DSparkProposer(Proposer):
                 logits.add_(drafter.lm_head_logits(correction))
             if copy_bias is not None:
                 copy_bias.add_to(logits, k)
-            choice, probs = draw_tokens(logits, requests)
+            choice, probs = draw_tokens(logits, requests, k, drafter.draft_vocab)
             chosen.append(choice)
             distributions.append(probs)
             previous, previous_tokens = choice, drafter.draft_vocab[choice]

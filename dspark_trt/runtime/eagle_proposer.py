@@ -74,7 +74,7 @@ class EagleProposer(Proposer):
         chain_k = context_k[:, :, :0]
         chain_v = context_v[:, :, :0]
         for j in range(self.block_size):
-            choice, probs = draw_tokens(drafter.logits(output)[0], [request])  # [1], [1, V_d] or None
+            choice, probs = draw_tokens(drafter.logits(output)[0], [request], j, drafter.draft_vocab)  # [1], [1, V_d] | None
             if probs is not None:
                 distributions.append(probs[0])
             tokens.append(int(drafter.draft_vocab[choice[0]]))

@@ -37,7 +37,7 @@ from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Draft, Proposer
 from dspark_trt.runtime.rejection_sampler import Verdict, rejection_sample
 from dspark_trt.runtime.request import FinishReason, Request
-from dspark_trt.runtime.sampling import SamplingParams
+from dspark_trt.runtime.sampling import PositionNoise, SamplingParams
 from dspark_trt.runtime.scheduler import Feed, Scheduler, StepPlan
 from dspark_trt.runtime.stats import EngineCounters, StepStats
 from dspark_trt.runtime.threads import ensure_cpu_threads_cooperate
@@ -145,6 +145,7 @@ class Engine:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             generator=params.make_generator(),
+            noise=PositionNoise(params.seed, self.target.config.vocab_size) if params.seeded_sampling else None,
         )
 
     def enqueue(self, request: Request) -> None:

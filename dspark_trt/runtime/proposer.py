@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.sampling import greedy_tokens, sample
+from dspark_trt.runtime.sampling import coupled_token, greedy_tokens, sample
 
 
 @dataclass
@@ -70,18 +70,26 @@ class CallableProposer(Proposer):
         return [self.fn(request) for request in requests]
 
 
-def draw_tokens(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft position for each request: logits `[N, V_d]` -> chosen ids `[N]` and, when any
-    request samples, the distributions `[N, V_d]` they were drawn from (rows of greedy requests
-    are computed but unused: verification compares their tokens)."""
+def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int,
+                draft_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft position for each request, `offset` tokens past its committed ones: logits
+    `[N, V_d]` -> chosen ids `[N]` and, when any request samples, the distributions `[N, V_d]`
+    they were drawn from (rows of greedy and seeded requests are computed but unused:
+    verification compares their tokens). A seeded request draws with its own noise at that
+    position (`sampling.PositionNoise`; `draft_vocab` `[V_d]` maps draft ids to the target's)."""
     choice = greedy_tokens(logits)
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return choice, None
     temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
-    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
+    scaled = logits.float() / temperatures[:, None]
+    probs = torch.softmax(scaled, dim=-1)
     for i in sampled:
-        choice[i] = sample(probs[i], requests[i].generator)
+        noise = requests[i].noise_at(offset)
+        if noise is None:
+            choice[i] = sample(probs[i], requests[i].generator)
+        else:
+            choice[i] = coupled_token(torch.log_softmax(scaled[i], dim=-1), noise[draft_vocab])
     return choice, probs
 
 

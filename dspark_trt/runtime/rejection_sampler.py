@@ -3,7 +3,8 @@
 For a decode feed (anchor + draft `x_1..x_l`, logits at all `l + 1` positions) it runs the
 lossless rule of `sampling.verify_draft`: the accepted draft tokens, then either the
 *recovered* token (resampled from the residual at the first rejection) or, when all `l`
-survive, the *bonus* token (sampled from the target after `x_l`). For the prompt chunk that
+survive, the *bonus* token (sampled from the target after `x_l`); for a seeded sampled request,
+the coupled rule (`sampling.verify_draft_coupled`). For the prompt chunk that
 completes a prompt it samples the first output token from the chunk's last row (none for
 `max_tokens` 0: the prompt was only to be scored). A mid-prompt chunk emits nothing.
 
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_trt.runtime.sampling import next_token, target_probs, verify_draft
+from dspark_trt.runtime.sampling import (next_token, target_logprobs, target_probs, verify_draft,
+                                         verify_draft_coupled)
 from dspark_trt.runtime.scheduler import Feed
 
 
@@ -35,13 +37,16 @@ def rejection_sample(feeds: list[Feed], logits: list[torch.Tensor]) -> list[Verd
         request = feed.request
         if feed.is_prefill:
             emits = feed.completes_prompt and request.params.max_tokens > 0
-            tokens = [next_token(rows[-1], request.params, request.generator)] if emits else []
+            tokens = [next_token(rows[-1], request.params, request.generator, request.noise_at(0))] if emits else []
             verdicts.append(Verdict(tokens, 0))
             continue
-        draft, greedy = feed.draft, request.params.greedy
-        # Greedy verification reads the argmax only: the logits will do, no point masses built.
-        num_accepted, final_token = verify_draft(draft.tokens, draft.probs,
-                                                 rows if greedy else target_probs(rows, request.params),
-                                                 request.generator, greedy)
+        draft, params = feed.draft, request.params
+        if request.noise is not None:  # seeded: the same tokens whether drafted or not
+            noise = [request.noise_at(k) for k in range(len(rows))]
+            num_accepted, final_token = verify_draft_coupled(draft.tokens, target_logprobs(rows, params), noise)
+        else:  # greedy verification reads the argmax only: the logits will do, no point masses built
+            num_accepted, final_token = verify_draft(draft.tokens, draft.probs,
+                                                     rows if params.greedy else target_probs(rows, params),
+                                                     request.generator, params.greedy)
         verdicts.append(Verdict(draft.tokens[:num_accepted] + [final_token], num_accepted))
     return verdicts

@@ -18,7 +18,7 @@ import torch
 
 from dspark_trt.models.kv_cache import KVCache
 from dspark_trt.runtime.logprobs import TokenLogprob
-from dspark_trt.runtime.sampling import SamplingParams
+from dspark_trt.runtime.sampling import PositionNoise, SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -105,6 +105,11 @@ class Request:
     # None for the first (nothing precedes it).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    noise: PositionNoise | None = None  # a seeded sampled request's per-position noise (sampling.py)
+
+    def noise_at(self, offset: int) -> torch.Tensor | None:
+        """The noise of the output position `offset` tokens past the committed ones (None: not seeded)."""
+        return None if self.noise is None else self.noise.at(len(self.output_token_ids) + offset)
 
     @property
     def in_prefill(self) -> bool:

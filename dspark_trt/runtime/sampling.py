@@ -13,8 +13,20 @@
   point masses (no `q`) has `q_k(x_k) = 1`. Under greedy decoding this reduces exactly to
   "accept the longest prefix that matches the target's argmax, then emit the argmax".
 
-Every request owns a `torch.Generator`, so a seeded request is reproducible whatever else is
-in the batch.
+Every request owns a `torch.Generator`, so its random choices do not depend on what else is in
+the batch.
+
+A *seeded* sampled request goes further: its tokens do not depend on how many drafts were
+verified either, so the same seed gives the same text under any policy, load or drafter (given
+the same target logits). Its token at output position i is `argmax(logprobs_i + g_i)` (the
+Gumbel-max trick: exactly a sample from `p_i`), with noise `g_i` drawn from a generator seeded by
+(seed, i) alone (`PositionNoise`). Plain decoding emits that token; verification
+(`verify_draft_coupled`) accepts a draft token iff it *is* that token and otherwise emits it, so
+the output is the same function of the noise either way, hence lossless. The drafter proposes
+`argmax(log q_i + g_i)` with the same noise, so it agrees with the target whenever q is close to
+p (acceptance >= (1 - TV) / (1 + TV), against the 1 - TV of the rule above: the price of
+reproducibility, paid only by seeded requests). The rejection rule's outputs, in contrast,
+depend on which positions were drafted, which the load-aware policies decide from measured time.
 """
 
 from __future__ import annotations
@@ -87,6 +99,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def seeded_sampling(self) -> bool:
+        """Sampled with a seed: its tokens come from per-position noise (the module docstring)."""
+        return self.seed is not None and not self.greedy
+
     def make_generator(self) -> torch.Generator:
         generator = torch.Generator()
         generator.manual_seed(self.seed if self.seed is not None else random.getrandbits(63))
@@ -105,10 +122,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The token a request emits from its logits `[vocab]`: the argmax when greedy, else a sample."""
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+               noise: torch.Tensor | None = None) -> int:
+    """The token a request emits from its logits `[vocab]`: the argmax when greedy, else a sample
+    (`coupled_token` with the position's noise, for a seeded request)."""
     if params.greedy:
         return int(greedy_tokens(logits[None])[0])
+    if noise is not None:
+        return coupled_token(target_logprobs(logits[None], params)[0], noise)
     return sample(target_probs(logits[None], params)[0], generator)
 
 
@@ -205,3 +226,56 @@ def verify_draft(draft_tokens: list[int], draft_probs: torch.Tensor | None, prob
         # guard against rounding anyway by falling back to p.
         return k, sample(residual / mass if mass > 0 else p, generator)
     return len(draft_tokens), sample(probs[len(draft_tokens)], generator)
+
+
+# ---- seeded requests: one noise vector per output position ---------------------------------------
+
+
+def mixed_seed(seed: int, index: int) -> int:
+    """A 64-bit seed from `seed` and an index (splitmix64's finaliser), so that neighbouring seeds
+    and indices give unrelated streams."""
+    mixed = (seed + 0x9E3779B97F4A7C15 * (index + 1)) % 2**64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) % 2**64
+    return mixed ^ (mixed >> 31)
+
+
+class PositionNoise:
+    """Gumbel noise `[vocab]` for each output position of a seeded request, drawn from a generator
+    seeded by (seed, position) only, kept until the position is committed (the drafter and the
+    verification read the same vectors)."""
+
+    def __init__(self, seed: int, vocab_size: int):
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self._noise: dict[int, torch.Tensor] = {}
+        self._generator = torch.Generator()
+
+    def at(self, position: int) -> torch.Tensor:
+        noise = self._noise.get(position)
+        if noise is None:
+            self._generator.manual_seed(mixed_seed(self.seed, position))
+            uniform = torch.rand(self.vocab_size, generator=self._generator).clamp_min_(1e-30)
+            noise = self._noise[position] = uniform.log_().neg_().log_().neg_()  # -log(-log u)
+        return noise
+
+    def forget_before(self, position: int) -> None:
+        for old in [p for p in self._noise if p < position]:
+            del self._noise[old]
+
+
+def coupled_token(logprobs: torch.Tensor, noise: torch.Tensor) -> int:
+    """The token a seeded request emits at a position: `argmax(logprobs + noise)` over `[vocab]`."""
+    return int(torch.argmax(logprobs + noise))
+
+
+def verify_draft_coupled(draft_tokens: list[int], logprobs: torch.Tensor,
+                         noise: list[torch.Tensor]) -> tuple[int, int]:
+    """`verify_draft` for a seeded request: logprobs `[l + 1, vocab]` (`target_logprobs`) and the
+    noise of those `l + 1` output positions. Accepts the drafts that equal the request's own sample
+    at their position; returns (number accepted, the sample at the first mismatch or after the last)."""
+    for k, token in enumerate(draft_tokens):
+        target = coupled_token(logprobs[k], noise[k])
+        if token != target:
+            return k, target
+    return len(draft_tokens), coupled_token(logprobs[len(draft_tokens)], noise[len(draft_tokens)])

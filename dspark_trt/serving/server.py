@@ -50,7 +50,7 @@ from dspark_trt.errors import DsparkError, InvalidRequestError
 from dspark_trt.runtime.engine_thread import EngineThread, QueueFullError, ShuttingDownError, StreamDelta
 from dspark_trt.runtime.llm import LLM
 from dspark_trt.runtime.logprobs import TokenLogprob
-from dspark_trt.runtime.sampling import SamplingParams
+from dspark_trt.runtime.sampling import SamplingParams, mixed_seed
 from dspark_trt.serving.content_encoding import BodyTooLargeError, UnsupportedEncodingError, decode_content
 from dspark_trt.serving.metrics import ServerMetrics
 from dspark_trt.serving.openai_logprobs import LogprobFormatter
@@ -447,14 +447,10 @@ class _ChoiceResult:
 
 def choice_seed(seed: int | None, sample_index: int) -> int | None:
     """The seed of a request's `sample_index`-th choice: the request's own for the first (so `n=1`
-    and the first of `n=2` agree), then a 64-bit mix of it and the index (splitmix64), so the
-    choices are independent samples and seeds s and s+1 do not share choices."""
-    if seed is None or sample_index == 0:
-        return seed
-    mixed = (seed + 0x9E3779B97F4A7C15 * sample_index) % 2**64
-    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) % 2**64
-    return mixed ^ (mixed >> 31)
+    and the first of `n=2` agree), then a 64-bit mix of it and the index, so the choices are
+    independent samples and seeds s and s + 1 do not share choices."""
+    # Negative indices: the per-position noise of a request uses 0, 1, 2, .., so the streams never meet.
+    return seed if seed is None or sample_index == 0 else mixed_seed(seed, -sample_index)
 
 
 def _submit_error(error: Exception) -> HTTPError:
