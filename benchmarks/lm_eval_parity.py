@@ -14,14 +14,22 @@ The task then runs three ways on the same model (the embedded default target's f
 transformers loads as it is):
 1. lm-eval's `hf` backend (transformers, in fp32);
 2. lm-eval's `local-completions` against `dspark-trt serve --policy none` (plain decoding);
-3. the same against `dspark-trt serve --policy dspark` (speculative decoding, its drafter).
+3. the same against `dspark-trt serve --policy all` (speculative decoding with the default
+   drafter, every draft token verified: the policy that reports the most accepted drafts; with
+   fp32 weights the load-aware `dspark` policy finds drafting does not pay on a CPU and would
+   hardly draft; `--speculative-policy` picks another).
 `local-completions` sends what it sends to vLLM: token-id prompts with `echo`, `logprobs: 1` and
 `max_tokens: 1`, and reads the prompt tokens' logprobs back.
 
 Written: each run's accuracy (`acc`, `acc_norm`), how many documents' answers differ from the HF
 backend's, the largest difference of any choice's loglikelihood from HF's, whether the plain and
-speculative servers gave identical loglikelihoods, and the wall time of each run. The exit status
-is 1 when the servers disagree with each other or with HF beyond `--tolerance` (tests call this).
+speculative servers gave identical loglikelihoods, and the wall time of each run. Scoring a
+prompt never drafts (`max_tokens: 1` ends at the prompt), so that identity holds by
+construction; what speculation could change is the logprobs of *generated* tokens, so each
+server also completes 10 training-set questions greedily with `logprobs` (48 tokens), and the
+largest difference between the two servers' token logprobs is written beside the number of
+tokens the speculative one accepted from drafts. The exit status is 1 when the servers disagree
+with each other or with HF beyond `--tolerance` (tests call this).
 """
 
 from __future__ import annotations
@@ -97,9 +105,35 @@ def served(args: argparse.Namespace, policy: str, task_folder: Path, model_folde
         model_args = (f"model={name},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
                       f"tokenizer={model_folder},tokenized_requests=True,num_concurrent=1,max_retries=1,"
                       f"max_length={args.max_length}")
-        return evaluate("local-completions", model_args, task_folder)
+        run = evaluate("local-completions", model_args, task_folder)
+        run["generated"] = generate_with_logprobs(server.url, name)
+        return run
     finally:
         server.stop()
+
+
+def generate_with_logprobs(url: str, name: str, num_prompts: int = 10, max_tokens: int = 48) -> list[dict]:
+    """Greedy completions of training-set questions with their token logprobs (one request each)."""
+    import httpx
+
+    questions = [row["question"] for row in read_jsonl(DATA_DIR / TRAINING_SETS["gsm8k-train"][0])[-num_prompts:]]
+    outputs = []
+    for question in questions:
+        answer = httpx.post(f"{url}/v1/completions", timeout=300, json={
+            "model": name, "prompt": f"Question: {question}\nAnswer:", "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1}).json()
+        logprobs = answer["choices"][0]["logprobs"]
+        outputs.append({"tokens": logprobs["tokens"], "logprobs": logprobs["token_logprobs"],
+                        "accepted": answer["dspark"]["num_accepted_tokens"]})
+    return outputs
+
+
+def compare_generated(speculative: list[dict], plain: list[dict]) -> dict:
+    same = all(a["tokens"] == b["tokens"] for a, b in zip(speculative, plain))
+    return {"same_tokens": same, "num_tokens": sum(len(a["tokens"]) for a in speculative),
+            "num_accepted_draft_tokens": sum(a["accepted"] for a in speculative),
+            "max_abs_logprob_difference": max(abs(x - y) for a, b in zip(speculative, plain)
+                                              for x, y in zip(a["logprobs"], b["logprobs"]))}
 
 
 def compare(run: dict, reference: dict) -> dict:
@@ -118,6 +152,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=1e-3,
                         help="largest loglikelihood difference from HF that counts as numerical noise")
     parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--speculative-policy", default="all", help="the speculative server's --policy")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/lm_eval_parity.json"))
     args = parser.parse_args()
 
@@ -130,24 +165,33 @@ def main() -> int:
         runs = {"hf": evaluate("hf", f"pretrained={model_folder},dtype=float32,device=cpu,max_length={args.max_length}",
                                task_folder)}
         runs["served_plain"] = served(args, "none", task_folder, model_folder, "SmolLM2-135M-Instruct")
-        runs["served_dspark"] = served(args, "dspark", task_folder, model_folder, "SmolLM2-135M-Instruct")
+        runs["served_speculative"] = served(args, args.speculative_policy, task_folder, model_folder,
+                                            "SmolLM2-135M-Instruct")
         task_sha = hashlib.sha256(data.read_bytes()).hexdigest()
     report = {
         "task": {"name": TASK, "source": "GSM8K train split", "documents": args.limit, "jsonl_sha256": task_sha},
-        "model": str(model_folder.name), "server_dtype": args.dtype, "torch": torch.__version__,
+        "model": str(model_folder.name), "server_dtype": args.dtype, "speculative_policy": args.speculative_policy,
+        "torch": torch.__version__,
         "cpu": _cpu_name(),
-        "runs": {name: {k: v for k, v in run.items() if k != "loglikelihoods"} for name, run in runs.items()},
+        "runs": {name: {k: v for k, v in run.items() if k not in ("loglikelihoods", "generated")}
+                 for name, run in runs.items()},
         "served_plain_vs_hf": compare(runs["served_plain"], runs["hf"]),
-        "served_dspark_vs_hf": compare(runs["served_dspark"], runs["hf"]),
-        "speculative_identical_to_plain": runs["served_dspark"]["loglikelihoods"] == runs["served_plain"]["loglikelihoods"],
+        "served_speculative_vs_hf": compare(runs["served_speculative"], runs["hf"]),
+        "speculative_identical_to_plain": (runs["served_speculative"]["loglikelihoods"]
+                                           == runs["served_plain"]["loglikelihoods"]),
+        "generated_speculative_vs_plain": compare_generated(runs["served_speculative"]["generated"],
+                                                            runs["served_plain"]["generated"]),
         "tolerance": args.tolerance,
     }
+    generated = report["generated_speculative_vs_plain"]
     report["passed"] = (report["speculative_identical_to_plain"]
-                        and report["served_plain_vs_hf"]["max_abs_loglikelihood_difference"] <= args.tolerance)
+                        and report["served_plain_vs_hf"]["max_abs_loglikelihood_difference"] <= args.tolerance
+                        and generated["same_tokens"] and generated["max_abs_logprob_difference"] <= args.tolerance)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("served_plain_vs_hf", "served_dspark_vs_hf",
-                                             "speculative_identical_to_plain", "passed")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("served_plain_vs_hf", "served_speculative_vs_hf",
+                                             "speculative_identical_to_plain", "generated_speculative_vs_plain",
+                                             "passed")}, indent=2))
     for name, run in report["runs"].items():
         print(f"{name}: acc {run['acc']:.4f}  acc_norm {run['acc_norm']:.4f}  ({run['seconds']:.1f} s)")
     return 0 if report["passed"] else 1

@@ -16,6 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from dspark_trt.serving.openai_logprobs import LogprobFormatter, TextOffsets
 from servers import ServerProcess
 
 MODEL = "smollm2"
@@ -88,8 +89,9 @@ def test_sampled_logprobs_and_streams_agree(server):
     assert streamed == whole["logprobs"]
     generated = whole["logprobs"]["token_logprobs"][-num_generated:]
     assert all(-30 < value <= 0 for value in generated)  # sampled tokens are ones top-p kept
-    prompt = whole["logprobs"]["token_logprobs"][1:-num_generated]
-    assert -9999.0 in prompt  # prompt tokens top-p would not sample: -inf, written as OpenAI's -9999
+    # Prompt tokens were drawn from nothing: they report the model's own distribution, as greedy does.
+    greedy = post(server, {**body, "temperature": 0, "max_tokens": 0}).json()["choices"][0]["logprobs"]
+    assert whole["logprobs"]["token_logprobs"][:-num_generated] == greedy["token_logprobs"]
 
 
 def test_chat_logprobs_with_top_logprobs(client):
@@ -192,6 +194,8 @@ def test_openapi_documents_the_fields(server):
     assert {"type": "array", "items": {"type": "string"}} in completion["prompt"]["anyOf"]
     for name in ("n", "logprobs", "top_logprobs"):
         assert chat[name].get("description"), name
+    route = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/v1/completions"]["post"]
+    assert [p["name"] for p in route["parameters"]] == ["Content-Encoding"]
 
 
 def test_lm_eval_scores_the_same_through_the_server_as_its_hf_backend(tmp_path):
@@ -204,7 +208,40 @@ def test_lm_eval_scores_the_same_through_the_server_as_its_hf_backend(tmp_path):
     assert output.exists(), result.stderr[-3000:]
     report = json.loads(output.read_text())
     assert result.returncode == 0 and report["passed"], report
-    assert report["speculative_identical_to_plain"]
+    assert report["speculative_identical_to_plain"] and report["generated_speculative_vs_plain"]["same_tokens"]
+    assert report["generated_speculative_vs_plain"]["num_accepted_draft_tokens"] > 0
     assert report["served_plain_vs_hf"]["max_abs_loglikelihood_difference"] < 1e-3
     runs = report["runs"]
-    assert runs["served_plain"]["acc"] == runs["served_dspark"]["acc"] == runs["hf"]["acc"]
+    assert runs["served_plain"]["acc"] == runs["served_speculative"]["acc"] == runs["hf"]["acc"]
+
+
+def test_token_strings_and_offsets_of_a_byte_level_vocabulary(tokenizer):
+    formatter = LogprobFormatter(tokenizer)
+    assert formatter.vocabulary_kind == "byte-level"
+    text = "héllo 中文\n<|im_end|>"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    pieces = [formatter.token(i) for i in ids]
+    assert b"".join(bytes(raw) for _, raw in pieces).decode("utf-8") == text
+    offsets = TextOffsets()
+    starts = [offsets.advance(bytes(raw)) for _, raw in pieces]
+    assert offsets.offset == len(text) and starts == sorted(starts)
+    partial = [s for s, _ in pieces if s.startswith("bytes:")]  # a split character, if the vocabulary splits one
+    assert all(len(s) > 6 for s in partial)
+
+
+def test_token_strings_of_a_sentencepiece_vocabulary():
+    """Llama 2 / Mistral style pieces: `▁` is a space, `<0xNN>` a byte (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁hello": 3, "world": 4, "<0x0A>": 5, "<0xE4>": 6, "▁": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1, right=0)])
+    formatter = LogprobFormatter(PreTrainedTokenizerFast(tokenizer_object=backend))
+    assert formatter.vocabulary_kind == "sentencepiece"
+    assert formatter.token(3) == (" hello", list(b" hello"))
+    assert formatter.token(4) == ("world", list(b"world"))
+    assert formatter.token(5) == ("\n", [10])
+    assert formatter.token(6) == ("bytes:\\xe4", [0xE4])  # a piece of a character
+    assert formatter.token(7) == (" ", [32])

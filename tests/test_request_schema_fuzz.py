@@ -6,6 +6,7 @@ real server, where any answer but 200 must be OpenAI's error body and /health mu
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import httpx
@@ -139,12 +140,15 @@ def server(tiny_short):
 
 
 @settings(FUZZ, max_examples=60)
-@given(case=bodies())
-def test_any_body_over_http_is_a_200_or_an_openai_400(server, case):
+@given(case=bodies(), compressed=st.booleans())
+def test_any_body_over_http_is_a_200_or_an_openai_400(server, case, compressed):
     chat, body = case
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    response = httpx.post(f"{server.url}{path}", content=encode(body), timeout=30,
-                          headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    raw = encode(body)
+    if compressed:  # sent gzip-encoded: the same answer as sent plain
+        raw, headers["content-encoding"] = gzip.compress(raw), "gzip"
+    response = httpx.post(f"{server.url}{path}", content=raw, timeout=30, headers=headers)
     if response.status_code == 200:
         if body.get("stream") is True:
             assert response.text.endswith("data: [DONE]\n\n")

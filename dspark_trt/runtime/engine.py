@@ -8,7 +8,8 @@
                                                 in the rest of the token budget; which rows need logits
         run     = runner.run(feeds)             one target forward on the ragged batch
         verdict = rejection_sample(feeds, run)  accepted drafts + the recovered or bonus token
-        postprocess                             commit (EOS / stop / length), roll the KV cache back
+        postprocess                             commit (EOS / stop / length; logprobs of what was
+                                                kept, scores of prompt chunks), roll the KV cache back
                                                 past rejected drafts, hand kept features to the
                                                 drafter, finish and release
 
@@ -76,7 +77,8 @@ class Engine:
         # less to bound KV memory (every running request owns a slot of this many positions).
         self.context_length = min(target.config.max_position_embeddings, max_model_len)
         self.pool = target.model.new_pool(max_batch_size, self.context_length)
-        self.scheduler = Scheduler(self.pool, self.policy, max_batch_tokens, self.context_length)
+        self.scheduler = Scheduler(self.pool, self.policy, max_batch_tokens, self.context_length,
+                                   max_logit_rows=getattr(target.model, "max_logit_rows", None))
         self.output_processor = OutputProcessor(target.tokenizer, target.eos_token_ids, self.context_length)
         self._ids = itertools.count()
         self.counters = EngineCounters()

@@ -3,9 +3,11 @@ target and the most likely alternatives at that position.
 
     token_logprobs(rows, token_ids, params, num_top) -> [TokenLogprob]   rows[i] produced token_ids[i]
 
-The distribution is `sampling.target_logprobs`: the target's logits processed by the request's
-own sampling parameters (temperature, top-k, top-p), the one its tokens are drawn from; greedy
-requests report the model's own distribution. Never the drafter's.
+A generated token's distribution is `sampling.target_logprobs`: the target's logits processed by
+the request's own sampling parameters (temperature, top-k, top-p), the one its tokens are drawn
+from; greedy requests report the model's own distribution. A prompt token was drawn from nothing,
+so it reports the model's own distribution (`params` None; what loglikelihood scoring needs,
+and vLLM's prompt logprobs too). Never the drafter's.
 
 Why speculation cannot change them: a committed token's row is the target's logits at that
 position given the committed tokens before it. Verification computes the rows of the anchor and
@@ -35,13 +37,15 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the `num_top` most likely (token id, logprob), most likely first
 
 
-def token_logprobs(rows: torch.Tensor, token_ids: list[int], params: SamplingParams,
+def token_logprobs(rows: torch.Tensor, token_ids: list[int], params: SamplingParams | None,
                    num_top: int) -> list[TokenLogprob]:
     """One `TokenLogprob` per token; `rows` `[len(token_ids), vocab]` are the target logits that
-    produced them (row i: the logits after the tokens before token i)."""
+    produced them (row i: the logits after the tokens before token i); `params` None: the model's
+    own distribution (prompt tokens)."""
     if not token_ids:
         return []
-    logprobs = target_logprobs(rows[: len(token_ids)], params)  # [n, vocab]
+    rows = rows[: len(token_ids)].float()
+    logprobs = torch.log_softmax(rows, dim=-1) if params is None else target_logprobs(rows, params)  # [n, vocab]
     chosen = logprobs.gather(-1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
     if num_top:
         values, ids = torch.topk(logprobs, num_top, dim=-1)  # [n, num_top], most likely first

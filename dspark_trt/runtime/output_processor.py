@@ -73,11 +73,10 @@ class OutputProcessor:
         """Prompt logprobs of a chunk that began at prompt position `start`; `rows` `[chunk, vocab]`:
         row j follows prompt token start + j, so it scores token start + j + 1 (the last row of the
         final chunk scores the first output token instead: `commit`'s)."""
-        params = request.params
         if start == 0:
             request.prompt_logprobs.append(None)  # the first prompt token follows nothing
         scored = request.prompt_token_ids[start + 1 : start + len(rows) + 1]
-        request.prompt_logprobs.extend(token_logprobs(rows, scored, params, params.prompt_logprobs))
+        request.prompt_logprobs.extend(token_logprobs(rows, scored, None, request.params.prompt_logprobs))  # the model's own
 
     def release(self, request: Request) -> None:
         self._offsets.pop(request.request_id, None)

@@ -5,8 +5,10 @@ A request's tokens live in three places: `prompt_token_ids` (given), `output_tok
 `pending_token` is fed at the next step as the *anchor* of the draft block, and its logits
 verify the draft. `RequestStats` counts what speculation did for this request.
 
-A request carries what it asked for and what it has committed; what a step computed for it
-(logits, target features) travels as arguments (`engine.StepOutput`, `Proposer.observe`).
+A request carries what it asked for and what it has committed (with the logprobs of what it
+committed, when asked for, and a seeded request's per-position noise, which is part of what it
+asked for); what a step computed for it (logits, target features) travels as arguments
+(`engine.StepOutput`, `Proposer.observe`).
 """
 
 from __future__ import annotations

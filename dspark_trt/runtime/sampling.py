@@ -255,7 +255,9 @@ class PositionNoise:
         noise = self._noise.get(position)
         if noise is None:
             self._generator.manual_seed(mixed_seed(self.seed, position))
-            uniform = torch.rand(self.vocab_size, generator=self._generator).clamp_min_(1e-30)
+            # float64: float32 uniforms cap the noise near 16.6, so tokens e^-17 below the top one
+            # could never be drawn; float64's reach e^-37.
+            uniform = torch.rand(self.vocab_size, generator=self._generator, dtype=torch.float64).clamp_min_(1e-300)
             noise = self._noise[position] = uniform.log_().neg_().log_().neg_()  # -log(-log u)
         return noise
 

@@ -12,7 +12,8 @@ with the drafter in between:
                           steps; now and then one that has not drafted for a while, to explore)
     pack(plan, blocks)    each decode feed: [pending token] + the draft cut to the policy's
                           budget; then prompt chunks of prefilling requests into what is left of
-                          the token budget; and, once, which rows of each feed need logits
+                          the token budget; and, once, which rows of each feed need logits (every
+                          row of a prompt whose tokens are scored, within a per-step row budget)
 
 It runs no model and commits nothing (the engine does); how many tokens to verify is the
 policy's decision (`verify_policy.py`), made here only in the sense of being asked.
@@ -31,9 +32,10 @@ from dspark_trt.runtime.stats import StepStats
 from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 
-# A prompt whose tokens are scored (prompt_logprobs) needs a logit row per token: its chunks are
-# cut to this many tokens, so one step's rows stay ~100 MB (512 x a 49k vocabulary, fp32).
-PROMPT_LOGPROBS_CHUNK = 512
+# A prompt whose tokens are scored (prompt_logprobs) needs a logit row per token: one step gives
+# scored prompt chunks this many rows in all, so their logits stay ~100 MB (512 x a 49k vocabulary,
+# fp32) however many such prompts run.
+PROMPT_LOGPROBS_ROWS = 512
 
 
 @dataclass
@@ -66,10 +68,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: KVPool, policy: VerifyPolicy, max_batch_tokens: int, context_length: int,
-                 explore_every: int = 16):
+                 explore_every: int = 16, max_logit_rows: int | None = None):
         self.pool = pool
         self.policy = policy
         self.max_batch_tokens = max_batch_tokens
+        # Logit rows one forward can return (a TensorRT engine's profile bounds them; None: no bound).
+        self.max_logit_rows = max_logit_rows
         self.context_length = context_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -151,15 +155,22 @@ class Scheduler:
             tokens = [request.pending_token] + draft.tokens
             feeds.append(Feed(request, tokens, draft, num_logit_rows=len(tokens)))
             budget -= len(tokens)
+        rows_left = (self.max_logit_rows or 2**62) - sum(feed.num_logit_rows for feed in feeds)
+        scored_rows_left = PROMPT_LOGPROBS_ROWS
         for request in self.running:
             if request.in_prefill and (budget > 0 or not feeds):
                 start = request.num_prompt_computed
-                scored = request.params.prompt_logprobs is not None
-                size = min(max(budget, 1), PROMPT_LOGPROBS_CHUNK) if scored else max(budget, 1)
+                scored = request.params.prompt_logprobs is not None  # every row's logits, not the last one's
+                size = min(max(budget, 1), scored_rows_left, rows_left) if scored else max(budget, 1)
                 chunk = request.prompt_token_ids[start : start + size]
                 completes = start + len(chunk) == len(request.prompt_token_ids)
-                feeds.append(Feed(request, chunk, None, len(chunk) if scored else int(completes), completes))
+                rows = len(chunk) if scored else int(completes)
+                if not chunk or rows > rows_left:
+                    continue  # no logit rows left this step: the next one
+                feeds.append(Feed(request, chunk, None, rows, completes))
                 budget -= len(chunk)
+                rows_left -= rows
+                scored_rows_left -= rows if scored else 0
         plan.feeds = feeds
         plan.stats.batch_tokens = sum(len(feed.token_ids) for feed in feeds)
         return feeds

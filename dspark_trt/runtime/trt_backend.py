@@ -52,6 +52,11 @@ class TensorRTTargetModel:
         self.stream = torch.cuda.Stream()
         self.spare: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(pool) -> the other K/V buffers
 
+    @property
+    def max_logit_rows(self) -> int:
+        """The most logit rows one step may ask for (the engine's profile: target_shapes.num_logits)."""
+        return int(self.engine.get_tensor_profile_shape("logits_indices", 0)[2][0])
+
     def __getattr__(self, name):  # embed, lm_head, final_norm, ...: the torch model's (the drafter borrows them)
         return getattr(self.torch_model, name)
 

@@ -7,16 +7,19 @@ object of a completions choice or of a chat choice.
                                "top_logprobs": [{"token", "logprob", "bytes"}]}]}
 
 Conventions, where OpenAI's API leaves room:
-- A token's string is its own decoded text. A token that ends inside a multi-byte character has
-  no text of its own and is written `bytes:\\xe4\\xb8` (OpenAI's form); chat's `bytes` are always
-  the token's raw bytes.
+- A token's string is the text of its own bytes: byte-level BPE pieces (GPT-2, Llama 3, Qwen,
+  SmolLM) map through GPT-2's byte alphabet, SentencePiece pieces (Llama 2, Mistral) turn `▁`
+  into a space and `<0x0A>` into its byte, other vocabularies use their decoded text. A token
+  that is part of a multi-byte character has no text of its own and is written `bytes:\\xe4\\xb8`
+  (OpenAI's form); chat's `bytes` are always the token's raw bytes.
 - A completions `top_logprobs` entry holds the N most likely tokens plus the chosen one (so it has
   N or N + 1 entries: lm-eval's greedy check needs the chosen token there); chat's holds the N
   most likely.
 - A logprob of -inf (a token that top-k or top-p leaves out) is written -9999.0: JSON has no
   infinity (vLLM writes the same).
 - `text_offset` counts characters from the start of the choice's text (its echoed prompt
-  included), across a stream's chunks.
+  included), across a stream's chunks: the characters the tokens' bytes decode to so far, so a
+  character split over two tokens is counted once, where it completes (`TextOffsets`).
 - The first prompt token follows nothing: null logprob and null alternatives (echo).
 
 It shapes JSON and nothing else.
@@ -24,7 +27,10 @@ It shapes JSON and nothing else.
 
 from __future__ import annotations
 
+import codecs
+import json
 import math
+import re
 from functools import lru_cache
 
 from dspark_trt.runtime.logprobs import TokenLogprob
@@ -50,11 +56,30 @@ def _byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TextOffsets:
+    """Where each token starts in a choice's text: characters decoded from the tokens' bytes so far
+    (an incremental UTF-8 decoder, so a partial character waits for the token that completes it)."""
+
+    def __init__(self):
+        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset where a token with bytes `raw` starts; moves past it."""
+        start = self.offset
+        self.offset += len(self._decoder.decode(raw))
+        return start
+
+
 class LogprobFormatter:
     """Token strings and bytes of one tokenizer (cached), and the two JSON shapes."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.vocabulary_kind = _vocabulary_kind(tokenizer)  # byte-level | sentencepiece | text
         self._strings: dict[int, tuple[str, list[int]]] = {}
 
     def token(self, token_id: int) -> tuple[str, list[int]]:
@@ -71,22 +96,25 @@ class LogprobFormatter:
 
     def _token_bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        alphabet = _byte_level_alphabet()
-        if isinstance(piece, str) and piece and all(ch in alphabet for ch in piece):  # byte-level BPE
-            return bytes(alphabet[ch] for ch in piece)
-        return self.tokenizer.decode([token_id]).encode("utf-8")  # other vocabularies: its decoded text
+        if isinstance(piece, str) and piece:
+            if self.vocabulary_kind == "byte-level":
+                alphabet = _byte_level_alphabet()
+                if all(ch in alphabet for ch in piece):
+                    return bytes(alphabet[ch] for ch in piece)
+            elif self.vocabulary_kind == "sentencepiece":
+                byte = _SENTENCEPIECE_BYTE.fullmatch(piece)
+                return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([token_id]).encode("utf-8")  # special or unknown pieces: their text
 
     def completion(self, token_ids: list[int], entries: list[TokenLogprob | None],
-                   text_offset: int) -> tuple[dict, int]:
+                   offsets: TextOffsets) -> dict:
         """A completions `logprobs` object for tokens `token_ids` with logprobs `entries` (None: the
-        first prompt token), their text starting at character `text_offset` of the choice; returns
-        it and the offset after them."""
-        tokens, values, tops, offsets = [], [], [], []
+        first prompt token); `offsets` carries the choice's text position from chunk to chunk."""
+        tokens, values, tops, starts = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
-            text = self.token(token_id)[0]
+            text, raw = self.token(token_id)
             tokens.append(text)
-            offsets.append(text_offset)
-            text_offset += len(text)
+            starts.append(offsets.advance(bytes(raw)))
             if entry is None:
                 values.append(None)
                 tops.append(None)
@@ -95,7 +123,7 @@ class LogprobFormatter:
             top = {self.token(top_id)[0]: json_logprob(value) for top_id, value in entry.top}
             top.setdefault(text, json_logprob(entry.logprob))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, text_offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": starts}
 
     def chat(self, entries: list[TokenLogprob]) -> dict:
         """A chat `logprobs` object for `entries`."""
@@ -108,3 +136,15 @@ class LogprobFormatter:
                 top.append({"token": top_text, "logprob": json_logprob(value), "bytes": top_raw})
             content.append({"token": text, "logprob": json_logprob(entry.logprob), "bytes": raw, "top_logprobs": top})
         return {"content": content}
+
+
+def _vocabulary_kind(tokenizer) -> str:
+    """How a tokenizer's pieces spell bytes, from its decoder: byte-level BPE, SentencePiece
+    (Metaspace / ByteFallback), or neither (pieces are decoded one by one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = json.dumps(json.loads(backend.to_str()).get("decoder"), ensure_ascii=False) if backend is not None else ""
+    if "ByteLevel" in decoder:
+        return "byte-level"
+    if "ByteFallback" in decoder or "Metaspace" in decoder or "\u2581" in decoder:
+        return "sentencepiece"
+    return "text"

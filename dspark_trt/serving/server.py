@@ -53,7 +53,7 @@ from dspark_trt.runtime.logprobs import TokenLogprob
 from dspark_trt.runtime.sampling import SamplingParams, mixed_seed
 from dspark_trt.serving.content_encoding import BodyTooLargeError, UnsupportedEncodingError, decode_content
 from dspark_trt.serving.metrics import ServerMetrics
-from dspark_trt.serving.openai_logprobs import LogprobFormatter
+from dspark_trt.serving.openai_logprobs import LogprobFormatter, TextOffsets
 from dspark_trt.serving.protocol import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, ChatCompletionRequest,
                                          CompletionRequest, decode_body, error_body, parse_request)
 
@@ -209,12 +209,17 @@ class Server:
 
     def _choices(self, body, chat: bool) -> list[ChoiceSpec]:
         """One choice per prompt and per `n`, numbered prompt by prompt (OpenAI's order)."""
+        num_prompts, n = 1 if chat else len(body.prompts()), body.num_choices_per_prompt
+        # Before tokenising anything: a 2 MB list of tiny prompts is refused at once.
+        limits = [(self.max_choices, "generates at most {} per request (serve --max-choices)")]
+        if self.engine_thread.capacity is not None:  # more could never be admitted together: not a 429
+            limits.append((self.engine_thread.capacity, "runs and queues at most {} requests at once "
+                                                        "(serve --max-batch-size + --max-queue)"))
+        for limit, what in limits:
+            if num_prompts * n > limit:
+                raise InvalidRequestError(f"the request asks for {num_prompts * n} choices ({num_prompts} prompt(s) "
+                                          f"x n={n}); this server {what.format(limit)}", "n" if n > 1 else "prompt")
         prompts = [(self._chat_prompt(body), "")] if chat else self._completion_prompts(body)
-        n = body.num_choices_per_prompt
-        if len(prompts) * n > self.max_choices:
-            raise InvalidRequestError(
-                f"the request asks for {len(prompts) * n} choices ({len(prompts)} prompt(s) x n={n}); this server "
-                f"generates at most {self.max_choices} per request (serve --max-choices)", "n")
         return [ChoiceSpec(index=p * n + i, prompt_index=p, prompt_ids=ids, echo_text=echo,
                            params=self._sampling_params(body, ids, chat, i))
                 for p, (ids, echo) in enumerate(prompts) for i in range(n)]
@@ -250,7 +255,7 @@ class Server:
         self.llm.engine.check_prompt(ids)
         return ids
 
-    def _sampling_params(self, body, prompt_ids: list[int], chat: bool, sample_index: int) -> SamplingParams:
+    def _sampling_params(self, body, prompt_ids: list[int], chat: bool, sample_index: int) -> SamplingParams | None:
         context = self.llm.engine.context_length
         max_tokens = body.output_limit
         if max_tokens is None:
@@ -267,7 +272,7 @@ class Server:
             logprobs = body.logprobs
             prompt_logprobs = logprobs if body.echo else None
             if max_tokens == 0 and prompt_logprobs is None:
-                prompt_logprobs = 0  # the engine runs a prompt alone only to score it; echo drops the scores
+                return None  # echo alone: the answer is the prompt, nothing to run
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               seed=choice_seed(body.seed, sample_index), stop=body.stop_list, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
@@ -279,15 +284,20 @@ class Server:
         request_ids: dict[int, str] = {}
         try:
             for choice in prepared.choices:
+                if choice.params is None:  # nothing to run: answered as it stands
+                    deltas.put_nowait((choice.index, StreamDelta("", [], "", "length", {"completion_tokens": 0})))
+                    continue
                 request_ids[choice.index] = self.engine_thread.submit(
                     choice.prompt_ids, choice.params,
                     lambda d, index=choice.index: loop.call_soon_threadsafe(deltas.put_nowait, (index, d)))
-        except (InvalidRequestError, QueueFullError, ShuttingDownError) as e:
+        except Exception as e:
             for request_id in request_ids.values():  # all of a request's choices run, or none
                 self.engine_thread.cancel(request_id)
-            raise _submit_error(e) from None
+            if isinstance(e, (InvalidRequestError, QueueFullError, ShuttingDownError)):
+                raise _submit_error(e) from None
+            raise
         response_id = ("chatcmpl-" if prepared.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        timers = {index: _LatencyTimer(self.metrics, arrival) for index in request_ids}
+        timers = {choice.index: _LatencyTimer(self.metrics, arrival) for choice in prepared.choices}
         if prepared.body.stream:
             return StreamingResponse(self._stream(prepared, deltas, request_ids, response_id, timers),
                                      media_type="text/event-stream")
@@ -298,7 +308,7 @@ class Server:
         # Watch for the client leaving while we wait: tokens keep arriving every step, so only a
         # listener of its own sees the disconnect in time (within a step, not at max_tokens).
         watcher = asyncio.create_task(self._cancel_on_disconnect(request, list(request_ids.values())))
-        results = {index: _ChoiceResult() for index in request_ids}
+        results = {choice.index: _ChoiceResult() for choice in prepared.choices}
         try:
             while not all(result.finish_reason for result in results.values()):
                 index, delta = await deltas.get()
@@ -312,7 +322,9 @@ class Server:
         if "error" in reasons:
             error = next(result.error for result in results.values() if result.finish_reason == "error")
             raise HTTPError(500, f"generation failed: {error}", "server_error")
-        choices = [self._choice_json(prepared, spec, results[spec.index]) for spec in prepared.choices]
+        # Off the event loop: formatting logprobs of many choices and long echoed prompts takes a while.
+        choices = await run_in_threadpool(lambda: [self._choice_json(prepared, spec, results[spec.index])
+                                                   for spec in prepared.choices])
         metrics = [result.metrics for result in results.values()]
         return {"id": response_id, "object": "chat.completion" if prepared.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices,
@@ -324,14 +336,21 @@ class Server:
             logprobs = self.logprob_formatter.chat(result.logprobs) if body.logprobs else None
             return {"index": spec.index, "message": {"role": "assistant", "content": text},
                     "finish_reason": result.finish_reason, "logprobs": logprobs}
-        logprobs = None
-        if body.logprobs is not None:
-            token_ids, entries = result.token_ids, result.logprobs
-            if body.echo:
-                token_ids, entries = spec.prompt_ids + token_ids, result.prompt_logprobs + entries
-            logprobs = self.logprob_formatter.completion(token_ids, entries, 0)[0]
+        logprobs = self._completion_logprobs(prepared, spec, result.token_ids, result.logprobs,
+                                             result.prompt_logprobs, TextOffsets())
         return {"index": spec.index, "text": spec.echo_text + text, "finish_reason": result.finish_reason,
                 "logprobs": logprobs}
+
+    def _completion_logprobs(self, prepared: PreparedRequest, spec: ChoiceSpec, token_ids: list[int],
+                             logprobs: list[TokenLogprob], prompt_logprobs: list[TokenLogprob | None] | None,
+                             offsets: TextOffsets) -> dict | None:
+        """A completions choice's `logprobs` (None when not asked for); with echo, `prompt_logprobs`
+        (given with the choice's first tokens) go before the generated tokens'."""
+        if prepared.body.logprobs is None:
+            return None
+        if prepared.body.echo and prompt_logprobs is not None:
+            token_ids, logprobs = spec.prompt_ids + token_ids, prompt_logprobs + logprobs
+        return self.logprob_formatter.completion(token_ids, logprobs, offsets)
 
     async def _stream(self, prepared: PreparedRequest, deltas, request_ids: dict[int, str], response_id: str,
                       timers: dict):
@@ -340,7 +359,7 @@ class Server:
         kind = "chat.completion.chunk" if chat else "text_completion"
         specs = {spec.index: spec for spec in prepared.choices}
         started: set[int] = set()  # choices that have sent their first chunk
-        text_offsets = {index: 0 for index in specs}  # completions logprobs' text_offset, per choice
+        text_offsets = {index: TextOffsets() for index in specs}  # completions logprobs' text_offset, per choice
         final_metrics: dict[int, dict] = {}
 
         def chunk(index: int, delta: StreamDelta, text: str) -> str:
@@ -350,13 +369,8 @@ class Server:
                 logprobs = self.logprob_formatter.chat(delta.logprobs) if body.logprobs else None
                 choice = {"index": index, "delta": message, "finish_reason": delta.finish_reason, "logprobs": logprobs}
             else:
-                logprobs = None
-                if body.logprobs is not None:
-                    token_ids, entries = delta.token_ids, delta.logprobs
-                    if first and body.echo:
-                        token_ids, entries = specs[index].prompt_ids + token_ids, delta.prompt_logprobs + entries
-                    logprobs, text_offsets[index] = self.logprob_formatter.completion(token_ids, entries,
-                                                                                      text_offsets[index])
+                logprobs = self._completion_logprobs(prepared, specs[index], delta.token_ids, delta.logprobs,
+                                                     delta.prompt_logprobs if first else None, text_offsets[index])
                 choice = {"index": index, "text": text, "finish_reason": delta.finish_reason, "logprobs": logprobs}
             stats = {"num_tokens": len(delta.token_ids)}  # lets clients time each token (bench ITL)
             if finished:
@@ -366,7 +380,7 @@ class Server:
             return f"data: {json.dumps(payload)}\n\n"
 
         try:
-            while len(final_metrics) < len(request_ids):
+            while len(final_metrics) < len(specs):
                 index, delta = await deltas.get()
                 timers[index].observe(delta)
                 if delta.finish_reason == "error":
@@ -378,7 +392,8 @@ class Server:
                 text = (specs[index].echo_text if first else "") + delta.text
                 if not (text or delta.finished or first or delta.logprobs):
                     continue
-                yield chunk(index, delta, text)
+                # Logprobs (a long echoed prompt's above all) are formatted off the event loop.
+                yield await run_in_threadpool(chunk, index, delta, text) if body.logprobs else chunk(index, delta, text)
                 started.add(index)
             else:
                 if body.stream_options and body.stream_options.include_usage:
@@ -406,7 +421,7 @@ class ChoiceSpec:
     index: int  # OpenAI's choice index: prompt_index * n + sample index
     prompt_index: int
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: nothing to run (echo with max_tokens 0 and no logprobs)
     echo_text: str  # put before the completion (completions' echo), "" otherwise
 
 
@@ -470,9 +485,14 @@ def merged_metrics(metrics: list[dict | None]) -> dict:
 
 
 def request_body_schema(model) -> dict:
-    """OpenAPI `requestBody` of a route that parses its own body with `model` (see protocol.py)."""
+    """OpenAPI `requestBody` of a route that parses its own body with `model` (see protocol.py),
+    and the Content-Encoding it may come in."""
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "parameters": [{"name": "Content-Encoding", "in": "header", "required": False,
+                            "description": "gzip, deflate or identity (several, comma-separated, in the order "
+                                           "applied); --max-body-bytes applies to the decoded body; others get 415",
+                            "schema": {"type": "string"}}]}
 
 
 def openapi_with_request_models(app: FastAPI) -> dict:
