@@ -1,0 +1,135 @@
+"""The TensorRT plugin registers: TensorRT's `tensorrt.plugin` reads the registered functions'
+annotations as classes, so a module with postponed (string) annotations fails at build time,
+before any engine exists. Without TensorRT (CPU machines), a stand-in `tensorrt.plugin` applies
+the checks TensorRT's `register` and `impl` apply to a plugin's functions (the rules of its
+`_parse_register_inputs`, `_parse_register_return` and `_validate_impl`, TensorRT 10.7 to 11.0);
+where the real `tensorrt` imports, the plugin is registered with it."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import types
+import typing
+
+import pytest
+
+from dspark_trt.plugins import sequential_draft as sd
+
+SERIALIZABLE = (int, float, bytes, bool, str)
+
+
+class TensorDesc:  # what tensorrt.plugin.TensorDesc is to the checks: a class
+    pass
+
+
+class Tensor:
+    pass
+
+
+def check_register(function) -> tuple[list[str], dict]:
+    """TensorRT's checks of a `@register` function: every parameter annotated, no defaults, tensor
+    descriptors first (as classes: `issubclass`), then serialisable attributes; a tuple of
+    TensorDesc returned."""
+    tensors, attributes = [], {}
+    for index, (name, param) in enumerate(inspect.signature(function).parameters.items()):
+        assert param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY), name
+        if param.annotation is inspect.Parameter.empty:
+            raise ValueError(f"argument {name} has no type annotation")
+        assert param.default is inspect.Parameter.empty, name
+        if issubclass(param.annotation, TensorDesc):  # TypeError for a string annotation, as in TensorRT
+            assert not attributes, "tensors and attributes interspersed"
+            tensors.append(name)
+        else:
+            assert index > 0 and name not in ("outputs", "stream", "tactic")
+            assert param.annotation in SERIALIZABLE, (name, param.annotation)
+            attributes[name] = param.annotation
+    returned = inspect.signature(function).return_annotation
+    assert typing.get_origin(returned) is tuple
+    assert all(issubclass(arg, TensorDesc) for arg in typing.get_args(returned))
+    return tensors, attributes
+
+
+def check_impl(function, tensors: list[str], attributes: dict) -> None:
+    """TensorRT's checks of an `@impl` function: annotations, where given, are classes that agree
+    with the registration; the parameters are the tensors, the attributes, `outputs`, `stream`."""
+    signature = inspect.signature(function)
+    for name, param in signature.parameters.items():
+        annotation = param.annotation
+        if annotation is inspect.Parameter.empty:
+            continue
+        if name == "outputs":
+            assert typing.get_origin(annotation) is tuple
+            assert all(issubclass(arg, Tensor) for arg in typing.get_args(annotation))
+        elif name == "stream":
+            assert issubclass(annotation, int)
+        elif issubclass(annotation, Tensor):
+            assert name in tensors
+        else:
+            assert attributes[name] == annotation, name
+    assert list(signature.parameters) == [*tensors, *attributes, "outputs", "stream"]
+    assert signature.return_annotation in (inspect.Parameter.empty, None)
+
+
+@pytest.fixture
+def stand_in_tensorrt(monkeypatch):
+    """`tensorrt` and `tensorrt.plugin` modules whose `register`/`impl` apply the checks above."""
+    registered = {}
+    plugin = types.ModuleType("tensorrt.plugin")
+    plugin.TensorDesc, plugin.Tensor = TensorDesc, Tensor
+
+    def register(plugin_id):
+        def decorate(function):
+            registered[plugin_id] = check_register(function)
+            return function
+        return decorate
+
+    def impl(plugin_id):
+        def decorate(function):
+            check_impl(function, *registered[plugin_id])
+            registered[plugin_id + "/impl"] = True
+            return function
+        return decorate
+
+    plugin.register, plugin.impl = register, impl
+    tensorrt = types.ModuleType("tensorrt")
+    tensorrt.plugin, tensorrt.int64 = plugin, "int64"
+    monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
+    import dspark_trt.plugins.sequential_draft_trt as module
+
+    monkeypatch.setattr(module, "_registered", False)
+    return registered
+
+
+def test_the_plugin_passes_tensorrts_registration_checks(stand_in_tensorrt):
+    sd.register_tensorrt_plugin()
+    tensors, attributes = stand_in_tensorrt[sd.PLUGIN_ID]
+    assert tuple(tensors) == sd.INPUT_NAMES and tuple(attributes) == sd.ATTRIBUTES
+    assert stand_in_tensorrt[sd.PLUGIN_ID + "/impl"]
+
+
+def test_the_checks_catch_postponed_annotations(stand_in_tensorrt):
+    """The failure TensorRT reported for this plugin, reproduced: string annotations."""
+    namespace: dict = {}
+    exec("from __future__ import annotations\n"
+         "def describe(logits: TensorDesc, head: int) -> tuple[TensorDesc]: ...", {"TensorDesc": TensorDesc}, namespace)
+    with pytest.raises(TypeError, match="must be a class"):
+        check_register(namespace["describe"])
+
+
+def test_the_registration_module_keeps_annotations_as_classes():
+    import dspark_trt.plugins.sequential_draft_trt as module
+
+    import __future__
+
+    assert getattr(module, "annotations", None) is not __future__.annotations
+
+
+def test_the_plugin_registers_with_the_real_tensorrt():
+    trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (GPU machines)")
+    importlib.import_module("tensorrt.plugin")
+    sd.register_tensorrt_plugin()
+    creators = [creator.name for creator in trt.get_plugin_registry().all_creators]
+    assert sd.ONNX_OP_TYPE in creators
