@@ -416,3 +416,15 @@ def test_a_drafter_with_a_copy_bias_builds_with_it_in_the_graphs(tmp_path):
     nodes = [n for n in onnx.load(str(output / "onnx" / "drafter.onnx")).graph.node if n.domain == "dspark"]
     assert {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}["copy_ngram"] == 2
     assert json.loads((output / "drafter" / "config.json").read_text())["copy_bias"] == [[3.0, 5.0]] * config["block_size"]
+
+
+def test_a_config_without_a_drafter_builds_a_servable_target(tmp_path):
+    """`drafter: null`: the target graph alone (no feature layers: an empty features output), served plainly."""
+    output = tmp_path / "plain"
+    report = build(load_build_config("tiny", ["drafter=null"]), output, progress=lambda line: None)
+    assert (output / "onnx" / "target.onnx").is_file() and not (output / "onnx" / "drafter.onnx").exists()
+    llm = LLM(engine_dir=output, max_batch_size=1)
+    assert llm.engine.proposer is None
+    direct = LLM(target=tiny_target_folder(), drafter=None, max_batch_size=1)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    assert llm.generate("Hello", params)[0].token_ids == direct.generate("Hello", params)[0].token_ids

@@ -86,6 +86,8 @@ class ExportTarget(nn.Module):
             x = x + (F.silu(gate) * up) @ layer.down.weight_t
             if index in self.feature_layers:
                 features[index] = x
-        feature_tensor = torch.cat([features[i] for i in self.feature_layers], dim=-1)
+        # No feature layers (a build without a drafter): an empty [T, 0] output keeps the graph's interface.
+        feature_tensor = (torch.cat([features[i] for i in self.feature_layers], dim=-1) if self.feature_layers
+                          else x.new_zeros(tokens, 0))
         logits = _rms(x[logits_indices], m.final_norm, eps) @ m.lm_head.weight_t  # [N, V]
         return logits, feature_tensor, torch.stack(present_k), torch.stack(present_v)

@@ -55,7 +55,7 @@ def run_onnxruntime(path: Path, feeds: dict[str, np.ndarray], golden: dict[str, 
     """Run `path` in ONNX Runtime through polygraphy's Comparator and compare to `golden` with
     per-output absolute tolerances. Saves inputs and golden outputs as polygraphy JSON."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
+    from polygraphy.comparator import Comparator, RunResults
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.json import save_json
     from polygraphy.logger import G_LOGGER
@@ -69,9 +69,21 @@ def run_onnxruntime(path: Path, feeds: dict[str, np.ndarray], golden: dict[str, 
     torch_results.save(str(golden_dir / f"{name}_golden.json"))
     results.extend(torch_results)
     rtol = {k: 0.0 for k in atol}
-    accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=atol, rtol=rtol))
+    accuracy = Comparator.compare_accuracy(results, compare_func=simple_compare_func()(atol=atol, rtol=rtol))
     ort_outputs = {k: np.asarray(v) for k, v in results[0][1][0].items()}
     return ort_outputs, bool(accuracy)
+
+
+def simple_compare_func():
+    """polygraphy's element-wise comparison: `SimpleCompareFunc` from 0.50 on, `CompareFunc.simple`
+    before (0.49.x has no `SimpleCompareFunc`; later ones deprecate `CompareFunc.simple`)."""
+    try:
+        from polygraphy.comparator import SimpleCompareFunc
+    except ImportError:
+        from polygraphy.comparator import CompareFunc
+
+        return CompareFunc.simple
+    return SimpleCompareFunc
 
 
 def polygraphy_cli(*args: str) -> tuple[int, str]:
