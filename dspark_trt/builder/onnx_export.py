@@ -67,7 +67,8 @@ def sample_target_inputs(target: LoadedTarget, config: BuildConfig, feature_laye
     feeds = {"input_ids": ids, "positions": positions, "token_slots": slots, "logits_indices": logits_at,
              "past_keys": pool.keys.clone(), "past_values": pool.values.clone()}
     out = model(ids, counts, caches, logits_at, feature_layers)
-    golden = {"logits": out.logits, "features": out.features, "present_keys": pool.keys.clone(),
+    features = out.features if out.features is not None else torch.zeros(len(ids), 0)  # no drafter: [T, 0]
+    golden = {"logits": out.logits, "features": features, "present_keys": pool.keys.clone(),
               "present_values": pool.values.clone()}
     return feeds, golden
 
