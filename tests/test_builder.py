@@ -423,6 +423,7 @@ def test_a_config_without_a_drafter_builds_a_servable_target(tmp_path):
     output = tmp_path / "plain"
     report = build(load_build_config("tiny", ["drafter=null"]), output, progress=lambda line: None)
     assert (output / "onnx" / "target.onnx").is_file() and not (output / "onnx" / "drafter.onnx").exists()
+    assert report.manifest["validation"] == {"target": True}
     llm = LLM(engine_dir=output, max_batch_size=1)
     assert llm.engine.proposer is None
     direct = LLM(target=tiny_target_folder(), drafter=None, max_batch_size=1)

@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import warnings
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
