@@ -106,11 +106,46 @@ def test_parse_request_maps_inputs_to_sampling_params():
     (dict(text_input="hi", top_k=-1), "top_k"),
     (dict(text_input="hi", seed=1, random_seed=2), "seed"),
     (dict(text_input="hi", bad_words=["x"]), "bad_words"),
+    (dict(text_input="hi", beam_width=2), "beam_width"),
+    (dict(text_input="hi", end_id=-1), "end_id"),
 ])
 def test_bad_request_values_name_the_input(values, field):
     with pytest.raises(InvalidRequestError) as info:
         parse_request(_inputs(**values))
     assert info.value.param == field and field in str(info.value)
+
+
+def test_tensorrt_llm_optional_inputs_are_taken():
+    """What TensorRT-LLM's clients send beside the prompt: end_id, pad_id, beam_width 1, return_log_probs."""
+    parsed = parse_request(_inputs(text_input="hi", end_id=2, pad_id=2, beam_width=1, return_log_probs=True))
+    assert parsed.params.stop_token_ids == [2] and parsed.return_log_probs and parsed.params.logprobs == 0
+    assert not parse_request(_inputs(text_input="hi", return_log_probs=False)).return_log_probs
+
+
+def test_the_python_backends_own_parameters_are_not_refused():
+    settings = DeploySettings.from_parameters({"target": "default", "EXECUTION_ENV_PATH": "/envs/dspark.tar.gz",
+                                               "FORCE_CPU_ONLY_INPUT_TENSORS": "no"})
+    assert settings.target == "default"
+    with pytest.raises(DeployConfigError, match="EXECUTION_ENV_PATH"):  # the error lists them beside ours
+        DeploySettings.from_parameters({"target": "default", "EXECUTION_ENV": "x"})
+
+
+def test_instance_kind_follows_the_engine_directory(tmp_path):
+    from dspark_trt.triton.writer import instance_kind_for
+
+    for backend, kind in (("torch", "cpu"), ("tensorrt", "gpu")):
+        engine = tmp_path / backend
+        engine.mkdir()
+        (engine / "manifest.json").write_text(json.dumps({
+            "format_version": 1, "backend": backend, "device": "elsewhere", "target": {"spec": "default"},
+            "drafter": None, "files": {}}))
+        assert instance_kind_for(engine, "auto") == kind
+        assert instance_kind_for(engine, "model") == "model"  # an explicit choice stands
+        code, output = _run_cli(engine, "--output", tmp_path / f"repo-{backend}")
+        assert code == 0, output
+        assert f"kind: {'KIND_GPU' if kind == 'gpu' else 'KIND_CPU'}" in (
+            tmp_path / f"repo-{backend}" / "dspark" / "config.pbtxt").read_text()
+    assert instance_kind_for(None, "auto") == "cpu"
 
 
 def test_batched_and_non_utf8_inputs_are_refused():
@@ -262,8 +297,12 @@ def server(tiny_models, tmp_path_factory):
 
     target, drafter = tiny_models
     repo = tmp_path_factory.mktemp("triton-repo")
+    from dspark_trt.triton.local_server import model_env
+
+    # The model runs in the environment EXECUTION_ENV_PATH names (an unpacked one: the server's own).
     code, output = _run_cli("--target", target, "--drafter", drafter, "--output", repo, "--model-name", MODEL,
-                            "--max-model-len", 256, "--max-running-requests", 8, "--batch-invariant", "--policy", "all")
+                            "--max-model-len", 256, "--max-running-requests", 8, "--batch-invariant", "--policy", "all",
+                            "--execution-env", model_env())
     assert code == 0, output
     log = repo.parent / "tritonserver.log"
     ports = [_free_port() for _ in range(3)]
@@ -314,6 +353,34 @@ def test_http_generate_equals_llm_at_temperature_0(server, reference):
         assert out["num_steps"] == ref.metrics["num_steps"] and out["num_draft_tokens"] > 0
         assert out["num_accepted_tokens"] == ref.metrics["num_accepted_tokens"]
         assert out["accept_length"] == pytest.approx(ref.metrics["accept_length"], rel=1e-5)
+
+
+def _listed(value) -> list:
+    """Triton's JSON generate answers a one-element array with the element itself."""
+    return value if isinstance(value, list) else [value]
+
+
+def test_the_model_runs_in_its_execution_env(server):
+    assert "Using Python execution env" in server.log.read_text(errors="replace")
+
+
+def test_tensorrt_llm_clients_get_log_probs_and_end_id(server, reference):
+    """A TensorRT-LLM client's request: end_id, pad_id, beam_width and return_log_probs come with it."""
+    ref = reference(PROMPTS[:1], max_tokens=12, temperature=0.0, logprobs=0)[0]
+    out = server.generate(text_input=PROMPTS[0], max_tokens=12, temperature=0.0, end_id=2, pad_id=2,  # 2: its EOS
+                          beam_width=1, return_log_probs=True)
+    assert _listed(out["output_ids"]) == ref.token_ids
+    assert _listed(out["output_log_probs"]) == pytest.approx([entry.logprob for entry in ref.logprobs], abs=1e-5)
+    assert out["cum_log_probs"] == pytest.approx(sum(entry.logprob for entry in ref.logprobs), abs=1e-4)
+    plain = server.generate(text_input=PROMPTS[0], max_tokens=12, temperature=0.0)
+    assert plain["output_log_probs"] == [] and plain["cum_log_probs"] == 0.0  # not asked for
+    # end_id ends generation at that token, as TensorRT-LLM's does
+    stop_at = ref.token_ids[3]
+    ended = server.generate(text_input=PROMPTS[0], max_tokens=12, temperature=0.0, end_id=stop_at)
+    assert _listed(ended["output_ids"]) == ref.token_ids[: ref.token_ids.index(stop_at) + 1]
+    assert ended["finish_reason"] == "stop"
+    status, data = server.post(f"/v2/models/{MODEL}/generate", {"text_input": "hi", "beam_width": 4})
+    assert status >= 400 and "beam_width" in json.loads(data)["error"]
 
 
 def test_http_generate_stream_sends_pieces_that_add_up(server, reference):

@@ -1,6 +1,6 @@
 """The output processor: committing tokens to a request, its text, its logprobs, and when it stops.
 
-`commit(request, tokens, rows)` appends tokens one at a time and stops at EOS, a stop string,
+`commit(request, tokens, rows)` appends tokens one at a time and stops at EOS, a stop token, a stop string,
 `max_tokens` or the end of the context, checked token by token so that a speculative step that
 commits several tokens ends exactly where plain decoding would have. A request that asked for
 logprobs gets those of the tokens it kept, from the rows that produced them (`logprobs.py`);
@@ -51,7 +51,7 @@ class OutputProcessor:
         for token in tokens:
             request.output_token_ids.append(token)
             appended += 1
-            if token in self.eos_token_ids and not params.ignore_eos:
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 request.finish_reason = FinishReason.STOP
             elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.context_length:
                 request.finish_reason = FinishReason.LENGTH

@@ -58,6 +58,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # generation ends before the first stop string
+    stop_token_ids: list[int] = field(default_factory=list)  # generation ends at (and includes) any of these
     ignore_eos: bool = False
     # Logprobs of each generated token, with this many most likely alternatives (None: off).
     logprobs: int | None = None
@@ -94,6 +95,8 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit integer, in [{SEED_MIN}, {SEED_MAX}]", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be a list of token ids (integers >= 0)", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -17,9 +17,10 @@ from dspark_trt.triton.model_config import INSTANCE_KINDS
 @click.option("--instances", type=int, default=1, show_default=True,
               help="Model instances (processes) per server; each has its own copy of the model and its own "
                    "in-flight batch.")
-@click.option("--instance-kind", type=click.Choice(list(INSTANCE_KINDS)), default="cpu", show_default=True,
+@click.option("--instance-kind", type=click.Choice(["auto", *INSTANCE_KINDS]), default="auto", show_default=True,
               help="Triton instance_group kind: cpu (KIND_CPU), gpu (KIND_GPU: COUNT instances on every GPU), "
-                   "model (KIND_MODEL: the model picks its device).")
+                   "model (KIND_MODEL: the model picks its device); auto: gpu for an ENGINE_DIR built for "
+                   "TensorRT, else cpu.")
 @click.option("--target", default=None, help="Without ENGINE_DIR: 'default', a Hugging Face folder or a .gguf file.")
 @click.option("--drafter", default=None, help="Without ENGINE_DIR: a drafter checkpoint folder, or 'default'.")
 @click.option("--policy", default=None,
@@ -37,10 +38,13 @@ from dspark_trt.triton.model_config import INSTANCE_KINDS
 @click.option("--batch-invariant", is_flag=True,
               help="Each request's output is what it would be alone, whatever Triton batches with it "
                    "(bit-identical logits). Several times slower: for reproducibility and tests.")
+@click.option("--execution-env", type=click.Path(path_type=Path), default=None,
+              help="The Python environment the model runs in (Triton's EXECUTION_ENV_PATH): a conda-pack "
+                   "archive or an unpacked environment folder holding dspark-trt.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing REPO/NAME.")
 def triton_command(engine_dir, repo, model_name, instances, instance_kind, target, drafter, policy, dtype,
                    max_running_requests, max_batch_tokens, max_model_len, max_queue, default_max_tokens,
-                   batch_invariant, overwrite):
+                   batch_invariant, execution_env, overwrite):
     """Write a Triton model repository that serves ENGINE_DIR (from `dspark-trt build`) with dspark-trt's runtime.
 
     The model is a decoupled (streaming) Python-backend model named like TensorRT-LLM's Triton
@@ -53,13 +57,14 @@ def triton_command(engine_dir, repo, model_name, instances, instance_kind, targe
     Triton container (docs/triton.md), or on a CPU host with the nvidia-pytriton wheel:
     python -m dspark_trt.triton.local_server --model-repository REPO
     """
-    from dspark_trt.triton.writer import resolve_settings, write_repository
+    from dspark_trt.triton.writer import instance_kind_for, resolve_settings, write_repository
 
     settings = resolve_settings(engine_dir, target, drafter, policy, dtype=dtype,
                                 max_running_requests=max_running_requests, max_batch_tokens=max_batch_tokens,
                                 max_model_len=max_model_len, max_queue=max_queue,
                                 default_max_tokens=default_max_tokens, batch_invariant=batch_invariant)
-    folder = write_repository(repo, settings, model_name, instances, instance_kind, overwrite)
+    folder = write_repository(repo, settings, model_name, instances, instance_kind_for(engine_dir, instance_kind),
+                              overwrite, execution_env)
     click.echo(f"wrote {folder} (config.pbtxt, 1/model.py)")
     click.echo(f"serve:  tritonserver --model-repository {folder.parent}")
     click.echo(f"query:  curl -X POST localhost:8000/v2/models/{model_name}/generate "

@@ -48,8 +48,11 @@ class _Active:
     sender: object  # its response sender
     stream: bool
     num_input_tokens: int
+    return_log_probs: bool = False
     text: list[str] = field(default_factory=list)  # accumulated (non-streaming)
     token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)  # of token_ids (non-streaming, with return_log_probs)
+    cum_log_prob: float = 0.0
     num_output_tokens: int = 0
     peak_running: int = 0
     cancelled: bool = False
@@ -123,7 +126,7 @@ class TritonPythonModel:
             parsed = parse_request(inputs, self.settings.default_max_tokens)
             prompt_ids = self.llm.encode(parsed.prompt, chat=parsed.chat)
             request_id = f"triton-{next(self._ids)}"
-            active = _Active(request, sender, parsed.stream, len(prompt_ids))
+            active = _Active(request, sender, parsed.stream, len(prompt_ids), parsed.return_log_probs)
             self._active[request_id] = active
             try:
                 self.engine.submit(prompt_ids, parsed.params, self._on_delta, request_id=request_id)
@@ -192,16 +195,20 @@ class TritonPythonModel:
                     active.sender.send(pb_utils.InferenceResponse(error=_error("the model is unloading", "UNAVAILABLE")),
                                        flags=FINAL)
                 return
+        new_log_probs = [entry.logprob for entry in delta.logprobs]
+        active.cum_log_prob += sum(new_log_probs)
         if active.stream:
-            text, token_ids = delta.text, delta.token_ids
+            text, token_ids, log_probs = delta.text, delta.token_ids, new_log_probs
         else:
             active.text.append(delta.text)
             active.token_ids.extend(delta.token_ids)
+            active.log_probs.extend(new_log_probs)
             if not delta.finished:
                 return
-            text, token_ids = "".join(active.text), active.token_ids
+            text, token_ids, log_probs = "".join(active.text), active.token_ids, active.log_probs
         arrays = response_arrays(text, token_ids, active.num_input_tokens, active.num_output_tokens,
-                                 active.peak_running, delta.finish_reason, delta.metrics)
+                                 active.peak_running, delta.finish_reason, delta.metrics,
+                                 log_probs if active.return_log_probs else None, active.cum_log_prob)
         response = pb_utils.InferenceResponse([pb_utils.Tensor(name, array) for name, array in arrays.items()])
         active.sender.send(response, flags=FINAL if delta.finished else 0)
 

@@ -2,9 +2,13 @@
 
 Names, data types and dims follow TensorRT-LLM's `tensorrt_llm_bls` / `ensemble` models, so a
 client written for those works unchanged (`text_input`, `max_tokens`, `stream`, `temperature`,
-`top_p`, `top_k`, `random_seed`, `stop_words`, `bad_words` in; `text_output` out). Additions:
-`seed` (an alias of `random_seed`), `ignore_eos`, `apply_chat_template`, and outputs with token
-counts and acceptance statistics.
+`top_p`, `top_k`, `random_seed`, `stop_words`, `bad_words`, `end_id`, `pad_id`, `beam_width`,
+`return_log_probs` in; `text_output`, `cum_log_probs`, `output_log_probs` out). `end_id` is a
+token that ends generation (beside the model's EOS), `pad_id` changes nothing (no output is
+padded), `beam_width` must be 1 (no beam search), `return_log_probs` fills the two log-prob
+outputs (the target's logprob of each generated token, `runtime/logprobs.py`; zeros and empty
+without it, as TensorRT-LLM sends). Additions: `seed` (an alias of `random_seed`),
+`ignore_eos`, `apply_chat_template`, and outputs with token counts and acceptance statistics.
 
 This module is plain numpy: it turns a request's input arrays into a prompt and
 `SamplingParams` (raising `InvalidRequestError` naming the bad input) and a stream delta into
@@ -44,6 +48,10 @@ INPUTS = (
     TensorSpec("bad_words", "TYPE_STRING", (-1,), doc="accepted for TensorRT-LLM clients; must be empty"),
     TensorSpec("ignore_eos", "TYPE_BOOL", (1,), doc="keep generating past end-of-sequence tokens"),
     TensorSpec("apply_chat_template", "TYPE_BOOL", (1,), doc="wrap text_input as a user turn in the chat template"),
+    TensorSpec("end_id", "TYPE_INT32", (1,), doc="a token id that ends generation (beside the model's EOS)"),
+    TensorSpec("pad_id", "TYPE_INT32", (1,), doc="accepted for TensorRT-LLM clients (nothing is padded)"),
+    TensorSpec("beam_width", "TYPE_INT32", (1,), doc="accepted for TensorRT-LLM clients; must be 1"),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), doc="fill cum_log_probs and output_log_probs"),
 )
 
 OUTPUTS = (
@@ -58,6 +66,10 @@ OUTPUTS = (
     TensorSpec("accept_length", "TYPE_FP32", (1,), doc="tau: tokens committed per target step (last response)"),
     TensorSpec("peak_running_requests", "TYPE_INT32", (1,),
                doc="most requests in one engine step while this one ran (> 1: it was batched with others)"),
+    TensorSpec("cum_log_probs", "TYPE_FP32", (-1,),
+               doc="[beam]: the sum of output_log_probs so far (with return_log_probs; else 0)"),
+    TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1),
+               doc="[beam, tokens]: the logprob of each token of output_ids (with return_log_probs; else empty)"),
 )
 
 INPUT_NAMES = tuple(spec.name for spec in INPUTS)
@@ -69,6 +81,10 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     chat: bool
+
+    @property
+    def return_log_probs(self) -> bool:
+        return self.params.logprobs is not None
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str):
@@ -140,17 +156,26 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int = 64) -
     top_k = _scalar(inputs, "top_k")
     if top_k is not None:
         options["top_k"] = int(top_k)
+    beam_width = _scalar(inputs, "beam_width")
+    if beam_width is not None and int(beam_width) != 1:
+        raise InvalidRequestError(f"beam_width must be 1 (this model does not run beam search), got {int(beam_width)}",
+                                  "beam_width")
+    end_id = _scalar(inputs, "end_id")
+    if end_id is not None and int(end_id) < 0:
+        raise InvalidRequestError(f"end_id must be a token id (>= 0), got {int(end_id)}", "end_id")
     params = SamplingParams(max_tokens=max_tokens, seed=None if seed is None else int(seed),
                             stop=_strings(inputs, "stop_words"), ignore_eos=bool(_scalar(inputs, "ignore_eos")),
-                            **options)
+                            stop_token_ids=[] if end_id is None else [int(end_id)],
+                            logprobs=0 if _scalar(inputs, "return_log_probs") else None, **options)
     return ParsedRequest(prompt, params, stream=bool(_scalar(inputs, "stream")),
                          chat=bool(_scalar(inputs, "apply_chat_template")))
 
 
 def response_arrays(text: str, token_ids: list[int], num_input_tokens: int, num_output_tokens: int,
-                    peak_running: int, finish_reason: str | None = None, metrics: dict | None = None
-                    ) -> dict[str, np.ndarray]:
-    """One response's output arrays, each with the batch dimension first."""
+                    peak_running: int, finish_reason: str | None = None, metrics: dict | None = None,
+                    log_probs: list[float] | None = None, cum_log_prob: float = 0.0) -> dict[str, np.ndarray]:
+    """One response's output arrays, each with the batch dimension first; `log_probs` those of
+    `token_ids` (None: not asked for)."""
     metrics = metrics or {}
 
     def one(value, dtype) -> np.ndarray:
@@ -167,4 +192,6 @@ def response_arrays(text: str, token_ids: list[int], num_input_tokens: int, num_
         "num_accepted_tokens": one(metrics.get("num_accepted_tokens", 0), np.int32),
         "accept_length": one(metrics.get("accept_length", 0.0), np.float32),
         "peak_running_requests": one(peak_running, np.int32),
+        "cum_log_probs": one(cum_log_prob, np.float32),  # [batch, beam]
+        "output_log_probs": np.array([log_probs or []], dtype=np.float32).reshape(1, 1, -1),  # [batch, beam, tokens]
     }

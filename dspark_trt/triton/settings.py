@@ -14,6 +14,9 @@ from pathlib import Path
 from dspark_trt.errors import DsparkError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Parameters Triton's Python backend reads itself (a conda-pack environment, where input tensors
+# live): they belong in config.pbtxt beside ours, and are not ours to refuse or interpret.
+BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS")
 
 
 class DeployConfigError(DsparkError):
@@ -58,9 +61,12 @@ class DeploySettings:
         known = {f.name: f for f in fields(cls)}
         values: dict[str, object] = {}
         for key, text in parameters.items():
+            if key in BACKEND_PARAMETERS:
+                continue
             if key not in known:
                 raise DeployConfigError(f"config.pbtxt has an unknown parameter {key!r} "
-                                        f"(known: {', '.join(known)})")
+                                        f"(known: {', '.join(known)}; the Python backend's: "
+                                        f"{', '.join(BACKEND_PARAMETERS)})")
             if known[key].type == "int":
                 try:
                     values[key] = int(text)

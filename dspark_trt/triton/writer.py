@@ -26,6 +26,17 @@ MODEL_FILE = Path(__file__).with_name("model.py")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
+def instance_kind_for(engine_dir: str | Path | None, kind: str) -> str:
+    """`auto`: gpu for an engine directory built for TensorRT (its engines run on a GPU), else cpu."""
+    if kind != "auto":
+        return kind
+    if engine_dir is None:
+        return "cpu"
+    from dspark_trt.runtime.engine_dir import open_engine_dir
+
+    return "gpu" if open_engine_dir(engine_dir, check_device=False).backend == "tensorrt" else "cpu"
+
+
 def resolve_settings(engine_dir: str | Path | None, target: str | None, drafter: str | None,
                      policy: str | None, **options) -> DeploySettings:
     """Check the user's choices and make every path absolute."""
@@ -55,8 +66,10 @@ def resolve_settings(engine_dir: str | Path | None, target: str | None, drafter:
 
 
 def write_repository(repo: str | Path, settings: DeploySettings, model_name: str = "dspark", instances: int = 1,
-                     instance_kind: str = "cpu", overwrite: bool = False) -> Path:
-    """Write REPO/NAME (see the module docstring); return the model folder."""
+                     instance_kind: str = "cpu", overwrite: bool = False, execution_env: str | Path | None = None) -> Path:
+    """Write REPO/NAME (see the module docstring); return the model folder. `execution_env`: the
+    Python backend's EXECUTION_ENV_PATH (a conda-pack archive or an unpacked environment folder
+    with `bin/activate`) the model runs in."""
     if not NAME_PATTERN.fullmatch(model_name):
         raise DsparkError(f"--model-name {model_name!r}: use letters, digits, '_', '.' and '-' (a folder name)")
     if instances < 1:
@@ -65,7 +78,14 @@ def write_repository(repo: str | Path, settings: DeploySettings, model_name: str
     final = repo / model_name
     if final.exists() and not overwrite:
         raise DsparkError(f"{final} already exists (give --overwrite to replace it)")
-    text = render_model_config(model_name, settings.parameters(), instances, instance_kind)
+    parameters = settings.parameters()
+    if execution_env is not None:
+        env = Path(execution_env).expanduser().resolve()
+        if not (env.is_file() or (env / "bin" / "activate").is_file()):
+            raise DsparkError(f"--execution-env {execution_env}: not a conda-pack archive nor an environment folder "
+                              "with bin/activate")
+        parameters["EXECUTION_ENV_PATH"] = str(env)
+    text = render_model_config(model_name, parameters, instances, instance_kind)
     check_model_config(text)
     repo.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{model_name}.", dir=repo))  # same filesystem: rename is atomic
