@@ -59,7 +59,7 @@ class DrafterShapes(Strict):
 
 class EnginesConfig(Strict):
     build: Literal["auto", "never", "require"] = "auto"  # auto: when tensorrt imports and a GPU is present
-    precision: Literal["fp32", "fp16", "bf16"] = "fp16"
+    precision: Literal["fp32", "fp16", "bf16"] = "fp16"  # the target engine's: carried by its exported graph
     workspace_gib: float = Field(default=4.0, gt=0)
     timing_cache: str | None = None  # default: $DSPARK_TRT_CACHE/tensorrt-timing.cache (shared across builds)
 
@@ -88,7 +88,8 @@ class BuildConfig(Strict):
     block_size: int | None = Field(default=None, ge=1)  # when set, the drafter's block size must equal it
     # Weights of the PyTorch CPU backend (what serves when no TensorRT engine is built; its latency
     # profile is measured in it): auto = bfloat16 where our bf16 kernel runs, else float32. The
-    # ONNX graphs are exported in fp32 either way (TensorRT picks its own precision: engines.precision).
+    # ONNX graphs are exported in fp32 either way and validated against torch; engines.precision
+    # fp16/bf16 adds onnx/target.{fp16,bf16}.onnx, the graph TensorRT builds (strongly typed).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     opset: int = Field(default=20, ge=17)
     exporter: Literal["dynamo", "torchscript"] = "dynamo"  # torch.export, or the legacy (faster, deprecated) tracer

@@ -429,3 +429,25 @@ def test_a_config_without_a_drafter_builds_a_servable_target(tmp_path):
     direct = LLM(target=tiny_target_folder(), drafter=None, max_batch_size=1)
     params = SamplingParams(max_tokens=8, temperature=0)
     assert llm.generate("Hello", params)[0].token_ids == direct.generate("Hello", params)[0].token_ids
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_reduced_precision_builds_export_the_graph_tensorrt_builds(tmp_path, precision):
+    """TensorRT builds strongly typed networks: engines.precision fp16/bf16 is carried by a target graph
+    in that type (KV pool too; logits and features float32), checked on CPU where ONNX Runtime can run it."""
+    output = tmp_path / precision
+    report = build(load_build_config("tiny", [f"engines.precision={precision}"]), output, progress=lambda line: None)
+    graph = onnx.load(str(output / "onnx" / f"target.{precision}.onnx"))
+    types = {t.name: t.type.tensor_type.elem_type for t in [*graph.graph.input, *graph.graph.output]}
+    reduced = onnx.TensorProto.FLOAT16 if precision == "fp16" else onnx.TensorProto.BFLOAT16
+    assert types["past_keys"] == types["present_values"] == reduced
+    assert types["logits"] == types["features"] == onnx.TensorProto.FLOAT
+    check = json.loads((output / "validation" / "report.json").read_text())[f"target_{precision}"]
+    assert report.manifest["validation"][f"target_{precision}"] is True
+    if precision == "fp16":  # ONNX Runtime runs float16 on CPU: compared with torch in float16
+        assert all(check["onnxruntime_vs_torch_max_abs"][k] <= check["tolerances"][k] for k in check["tolerances"])
+    else:
+        assert check["onnxruntime"].startswith("skipped")
+    assert 0 < check["module_vs_float32_runtime_max_abs"]["logits"] < 1.0  # what the precision costs, reported
+    manifest = json.loads((output / "manifest.json").read_text())
+    assert manifest["files"][f"target_{precision}_onnx"] == f"onnx/target.{precision}.onnx"

@@ -214,8 +214,19 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
             runnable = onnx_dir / ("drafter_unrolled.onnx" if plugin else "drafter.onnx")  # by ONNX Runtime
             checks["drafter"] = validate.validate_drafter(drafter, config, drafter_feeds, runnable, report_dir)
             checks["plugin_node"] = validate.check_plugin_node(onnx_dir / "drafter.onnx", expected=int(plugin))
-        plugin_graphs = frozenset({"drafter.onnx"} if drafter is not None and plugin else ())
-        checks["polygraphy"] = validate.inspect_and_lint(onnx_dir, report_dir, plugin_graphs)
+        precision = config.engines.precision
+        if precision != "fp32":  # the graph TensorRT builds from: its types are the engine's (strongly typed)
+            reduced = onnx_dir / f"target.{precision}.onnx"
+            onnx_export.export_target(target, feature_layers, config, target_feeds, reduced,
+                                      onnx_export.PRECISION_DTYPES[precision])
+            files[f"target_{precision}_onnx"] = f"onnx/{reduced.name}"
+            checks[f"target_{precision}"] = validate.validate_reduced_precision_target(
+                target, feature_layers, precision, target_feeds, target_golden, reduced)
+        # Not linted: the plugin graph (ONNX Runtime cannot run it) and the reduced-precision target
+        # (its own check above; lint's golden inputs are float32).
+        not_linted = {"drafter.onnx"} if drafter is not None and plugin else set()
+        not_linted |= {f"target.{precision}.onnx"} if precision != "fp32" else set()
+        checks["polygraphy"] = validate.inspect_and_lint(onnx_dir, report_dir, frozenset(not_linted))
         (report_dir / "report.json").write_text(json.dumps(checks, indent=2) + "\n")
         files["validation"] = "validation/report.json"
         _summarise_validation(checks, progress)
@@ -323,7 +334,14 @@ def _summarise_validation(checks: dict, progress) -> None:
             progress(f"      copy bias (n-grams up to {copy['copy_ngram']}) in the graphs: {copy['total']} copy candidates "
                      f"in the sample ({copy['in_greedy_rows']} in greedy rows, {copy['from_block_pairs']} from the "
                      f"block's own tokens), at {copy['slots_with_one']} slots")
-    failed = [name for name in ("target", "drafter", "plugin_node") if name in checks and not checks[name]["ok"]]
+    reduced = [name for name in checks if name.startswith("target_")]  # target_fp16 / target_bf16
+    for name in reduced:
+        r = checks[name]
+        detail = (f"ONNX Runtime vs torch max |diff| logits {r['onnxruntime_vs_torch_max_abs']['logits']:.2e}"
+                  if "onnxruntime_vs_torch_max_abs" in r else r.get("onnxruntime", ""))
+        progress(f"      {name} (the graph TensorRT builds): {detail}; vs the float32 runtime, logits "
+                 f"{r['module_vs_float32_runtime_max_abs']['logits']:.2e}")
+    failed = [name for name in ("target", "drafter", "plugin_node", *reduced) if name in checks and not checks[name]["ok"]]
     failed += [f"polygraphy inspect {n}" for n, e in checks["polygraphy"].items() if not e["inspect_ok"]]
     failed += [f"polygraphy lint {n}" for n, e in checks["polygraphy"].items() if e.get("lint_ok") is False]
     if failed:

@@ -155,8 +155,18 @@ def _export(module, feeds: dict, input_names, output_names, dynamic_shapes, path
     onnx.checker.check_model(str(path))
 
 
+PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def reduced_precision_feeds(feeds: dict, dtype: torch.dtype) -> dict:
+    """The target graph's feeds for a graph in `dtype`: its KV pool in that dtype."""
+    return {name: value.to(dtype) if name in ("past_keys", "past_values") else value for name, value in feeds.items()}
+
+
 def export_target(target: LoadedTarget, feature_layers: tuple[int, ...], config: BuildConfig, feeds: dict,
-                  path: Path) -> None:
+                  path: Path, dtype: torch.dtype = torch.float32) -> None:
+    """The target step (`ExportTarget`) in `dtype`; `feeds` as `sample_target_inputs` makes them
+    (in float32: the KV pool is cast here)."""
     s = config.target_shapes
     tokens, logits, slots, capacity = (_dim("batch_tokens", s.batch_tokens), _dim("num_logits", s.num_logits),
                                        _dim("num_slots", s.num_slots), _dim("slot_capacity", s.slot_capacity))
@@ -164,8 +174,8 @@ def export_target(target: LoadedTarget, feature_layers: tuple[int, ...], config:
                "logits_indices": {0: logits}, "past_keys": {1: slots, 3: capacity}, "past_values": {1: slots, 3: capacity}}
     outputs = {"logits": {0: "num_logits"}, "features": {0: "batch_tokens"},
                "present_keys": {1: "num_slots", 3: "slot_capacity"}, "present_values": {1: "num_slots", 3: "slot_capacity"}}
-    _export(ExportTarget(target.model, feature_layers), feeds, TARGET_INPUTS, TARGET_OUTPUTS, dynamic, path, config,
-            output_axes=outputs)
+    _export(ExportTarget(target.model, feature_layers, dtype), reduced_precision_feeds(feeds, dtype), TARGET_INPUTS,
+            TARGET_OUTPUTS, dynamic, path, config, output_axes=outputs)
 
 
 def export_drafter(drafter, config: BuildConfig, feeds: dict, path: Path, use_plugin: bool) -> None:

@@ -6,7 +6,12 @@
   loaded before and saved after every build, so rebuilds skip kernel timing;
 - the `dspark::SequentialDraft` plugin registered before parsing `drafter.onnx`, so the ONNX
   parser resolves the custom node to it;
-- precision from `engines.precision` (fp16/bf16 flags; fp32 otherwise);
+- strongly typed networks: the precision is the graph's own (`engines.precision` fp16/bf16 builds
+  the target from `onnx/target.{fp16,bf16}.onnx`, exported in that type; the drafter stays
+  fp32). The weak precision flags (`BuilderFlag.FP16`/`BF16`, deprecated in TensorRT 10.12 and
+  removed in 11.0) are never set, and TF32 is cleared, so float32 layers compute in float32
+  (TF32 is on by default and would miss the 1e-4 logit checks). Checked against TensorRT 10.7
+  to 11.0 (the `trt` extra pins that range);
 - engines serialised to `DIR/engines/{target,drafter}.plan`.
 
 `why_no_engines()` says why engines cannot be built here (recorded in the manifest); `tensorrt`
@@ -32,7 +37,7 @@ def why_no_engines() -> str | None:
     try:
         import tensorrt
     except ImportError:
-        return "tensorrt is not installed (pip install tensorrt on a machine with an NVIDIA GPU)"
+        return "tensorrt is not installed (pip install 'dspark-trt[trt]' on a machine with an NVIDIA GPU)"
     import torch
 
     if not torch.cuda.is_available():
@@ -79,17 +84,15 @@ def build_engine(onnx_path: Path, plan_path: Path, profile: dict, config: BuildC
     register_tensorrt_plugin()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    # Strongly typed: every tensor keeps the type the graph gives it (explicit batch is the only mode).
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineBuildError(f"TensorRT could not parse {onnx_path.name}: {errors}")
     build_config = builder.create_builder_config()
     build_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(config.engines.workspace_gib * (1 << 30)))
-    if config.engines.precision == "fp16":
-        build_config.set_flag(trt.BuilderFlag.FP16)
-    elif config.engines.precision == "bf16":
-        build_config.set_flag(trt.BuilderFlag.BF16)
+    build_config.clear_flag(trt.BuilderFlag.TF32)  # float32 layers in float32 (norms and softmax too)
     cache_file = timing_cache_path(config)
     cache = build_config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
     build_config.set_timing_cache(cache, ignore_mismatch=False)
@@ -120,7 +123,9 @@ def build_engines(onnx_dir: Path, engine_dir: Path, config: BuildConfig, target_
              "sequential_draft_plugin": "tensorrt.plugin JIT (@trtp.impl): needs Python and "
                                         "dspark_trt.plugins.sequential_draft.register_tensorrt_plugin() at load time"}
     t = target_config
-    built["target"] = build_engine(onnx_dir / "target.onnx", engine_dir / "target.plan",
+    precision = config.engines.precision
+    target_graph = onnx_dir / ("target.onnx" if precision == "fp32" else f"target.{precision}.onnx")
+    built["target"] = build_engine(target_graph, engine_dir / "target.plan",
                                    _profiles(config, "target", (t.num_layers, t.num_kv_heads, t.head_dim)),
                                    config, progress)
     if drafter_config is not None:

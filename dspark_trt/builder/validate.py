@@ -228,6 +228,43 @@ def validate_target(target, feature_layers, config: BuildConfig, feeds, runtime_
             "export_module_vs_runtime_max_abs": export_diff, "num_tokens": int(feeds["input_ids"].shape[0])}
 
 
+# A float16 graph against the same module run by torch in float16: two float16 computations in
+# different orders, so a relative bound (of each output's largest magnitude), not fp32's 1e-4.
+REDUCED_PRECISION_RTOL = 2e-2
+
+
+def validate_reduced_precision_target(target, feature_layers, precision: str, feeds, runtime_golden,
+                                      onnx_path: Path) -> dict:
+    """The target graph TensorRT builds for `engines.precision` fp16 / bf16: ONNX Runtime runs a
+    float16 graph on the CPU and is compared with `ExportTarget` in float16 run by torch; its
+    distance from the float32 runtime is reported beside (what the precision itself costs). ONNX
+    Runtime's CPU provider has no bfloat16 MatMul, so a bf16 graph is only checked to load
+    (`ci/gpu.sh` compares the engine with `polygraphy run --trt`)."""
+    import onnx
+
+    from dspark_trt.builder.export_target import ExportTarget
+    from dspark_trt.builder.onnx_export import PRECISION_DTYPES, reduced_precision_feeds
+
+    onnx.checker.check_model(str(onnx_path))
+    dtype = PRECISION_DTYPES[precision]
+    typed_feeds = reduced_precision_feeds(feeds, dtype)
+    names = ["logits", "features", "present_keys", "present_values"]
+    with torch.inference_mode():
+        reference = {k: t.float().numpy() for k, t in zip(names, ExportTarget(target.model, feature_layers, dtype)(
+            *typed_feeds.values()))}
+    report = {"precision": precision, "module_vs_float32_runtime_max_abs": _max_diffs(reference, _np(runtime_golden))}
+    if dtype == torch.bfloat16:
+        return {**report, "ok": True, "onnxruntime": "skipped: ONNX Runtime's CPU provider has no bfloat16 MatMul"}
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    ort_out = dict(zip(names, (np.asarray(a, np.float32) for a in session.run(names, _np(typed_feeds)))))
+    diffs = _max_diffs(ort_out, reference)
+    tolerances = {k: REDUCED_PRECISION_RTOL * max(_largest(reference[k]), 1.0) for k in names}
+    return {**report, "ok": all(diffs[k] <= tolerances[k] for k in names), "tolerances": tolerances,
+            "onnxruntime_vs_torch_max_abs": diffs}
+
+
 def validate_drafter(drafter, config: BuildConfig, feeds, onnx_path: Path, report_dir: Path) -> dict:
     """`feeds`: the graph's inputs (`onnx_export.sample_drafter_inputs`)."""
     from dspark_trt.builder.export_drafter import OUTPUT_NAMES, ExportDrafter

@@ -53,6 +53,14 @@ class TensorRTTargetModel:
         self.spare: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(pool) -> the other K/V buffers
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's type: the engine's (a strongly typed fp16/bf16 graph keeps its pool in fp16/bf16)."""
+        import tensorrt as trt
+
+        types = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16}
+        return types[self.engine.get_tensor_dtype("past_keys")]
+
+    @property
     def max_logit_rows(self) -> int:
         """The most logit rows one step may ask for (the engine's profile: target_shapes.num_logits)."""
         return int(self.engine.get_tensor_profile_shape("logits_indices", 0)[2][0])
@@ -70,11 +78,15 @@ class TensorRTTargetModel:
                               "lower max_batch_size / max_model_len or rebuild with larger shapes")
         pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 1, 1)  # bookkeeping; buffers replaced below
         shape = (c.num_layers, num_slots, c.num_kv_heads, slot_capacity, c.head_dim)
-        pool.keys = torch.zeros(shape, device="cuda")
-        pool.values = torch.zeros(shape, device="cuda")
+        kv_dtype = self.kv_dtype
+
+        def buffer() -> torch.Tensor:
+            return torch.zeros(shape, dtype=kv_dtype, device="cuda")
+
+        pool.keys, pool.values = buffer(), buffer()
         pool.slot_capacity = slot_capacity
         pool._free = list(range(num_slots - 1, -1, -1))
-        self.spare[id(pool)] = (torch.zeros(shape, device="cuda"), torch.zeros(shape, device="cuda"))
+        self.spare[id(pool)] = (buffer(), buffer())
         return pool
 
     def __call__(self, *args, **kwargs) -> TargetOutput:
