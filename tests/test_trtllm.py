@@ -6,6 +6,7 @@ and check the numbers: the Markov head and the folded projection against our dra
 
 import itertools
 import json
+from pathlib import Path
 import math
 
 import pytest
@@ -98,12 +99,26 @@ def test_cost_table_follows_sps_cost_table_rules(written):
 
 
 def test_serving_options_and_sts(written):
-    out, *_ = written
+    out, entry, *_ = written
     options = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["speculative_config"]
     assert options["decoding_type"] == "DSpark" and options["max_draft_len"] == 4
-    assert (out / options["speculative_model"]).is_dir()
-    assert (out / options["confidence_sps_table_path"]).is_file()
-    assert json.loads((out / options["confidence_sts_path"]).read_text())["sts_temperatures"] == [1.5, 1.0, 0.8, 2.0]
+    # Absolute: trtllm-serve resolves relative paths against the folder it is started from.
+    assert Path(options["speculative_model"]).is_absolute() and Path(options["speculative_model"]).is_dir()
+    assert json.loads(Path(options["confidence_sts_path"]).read_text())["sts_temperatures"] == [1.5, 1.0, 0.8, 2.0]
+    # The fixture's profile is a CPU one: TensorRT-LLM's planner must not weigh drafts by it.
+    assert "confidence_sps_table_path" not in options and "enable_confidence_scheduling" not in options
+    assert entry["cost_table"] and not entry["cost_table_enabled"] and "CPU" in entry["cost_table_note"]
+
+
+def test_a_gpu_profile_turns_confidence_scheduling_on(tmp_path, written):
+    _, _, target, drafter = written
+    profile = LatencyProfile("tensorrt", "cuda:NVIDIA H100", [1, 2, 4], [0.004, 0.0042, 0.0045], [1, 2], [0.001, 0.0012])
+    profile.save(tmp_path / "profile.json")
+    entry = write_trtllm_layout(tmp_path, target, drafter, tmp_path / "profile.json", final_dir=tmp_path / "moved")
+    options = yaml.safe_load((tmp_path / "trtllm" / "extra_llm_api_options.yaml").read_text())["speculative_config"]
+    assert entry["cost_table_enabled"] and options["enable_confidence_scheduling"] is True
+    # the paths name where the directory will be installed, not where it was written
+    assert options["confidence_sps_table_path"] == str((tmp_path / "moved" / "trtllm" / "sps_table.json").resolve())
 
 
 @pytest.mark.gpu

@@ -169,7 +169,7 @@ def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", f
     staging.mkdir()
     report = BuildReport(output)
     try:
-        report.manifest = _run_steps(config, staging, fmt, _Steps(progress, report.seconds), progress)
+        report.manifest = _run_steps(config, staging, fmt, _Steps(progress, report.seconds), progress, output)
         report.manifest["build"]["seconds"] = dict(report.seconds)
         report.manifest["build"]["total_seconds"] = round(report.total_seconds, 2)
         (staging / MANIFEST).write_text(json.dumps(report.manifest, indent=2) + "\n")  # last: makes it servable
@@ -180,7 +180,8 @@ def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", f
     return report
 
 
-def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progress) -> dict:
+def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progress, output: Path) -> dict:
+    """The build's steps into `staging`; `output` is where it will be installed."""
     from dspark_trt.builder import onnx_export, validate
     from dspark_trt.builder.export_drafter import input_names, plugin_supported
     from dspark_trt.builder.trt_engines import build_engines, why_no_engines
@@ -273,7 +274,8 @@ def _run_steps(config: BuildConfig, staging: Path, fmt: str, step: _Steps, progr
         if fmt == "trtllm":
             from dspark_trt.builder.trtllm import write_trtllm_layout
 
-            trtllm = write_trtllm_layout(staging, target, drafter, staging / PROFILE if "profile" in files else None)
+            trtllm = write_trtllm_layout(staging, target, drafter, staging / PROFILE if "profile" in files else None,
+                                         final_dir=output)
             files["trtllm"] = "trtllm"
         return _manifest(config, target, target_spec, drafter_entry, backend, runtime_dtype, engines, files, checks,
                          trtllm)

@@ -18,7 +18,15 @@ on top of `_torch/speculative/dflash.py` DFlashForCausalLM, `dspark_planner.py` 
                                           batch_overhead_ms (alpha(bs): our drafter step),
                                           _meta.lookup = "interp"
     DIR/trtllm/sts.json                   {"sts_temperatures": [...]} when the drafter is calibrated
-    DIR/trtllm/extra_llm_api_options.yaml the speculative_config for `trtllm-serve --extra_llm_api_options`
+    DIR/trtllm/extra_llm_api_options.yaml the speculative_config for `trtllm-serve --extra_llm_api_options`,
+                                          with absolute paths (relative ones would resolve against the
+                                          directory trtllm-serve is started from)
+
+The cost table is our latency profile. TensorRT-LLM's planner weighs a draft against *its own*
+engine's step times, so the options turn confidence scheduling on only when the profile was
+measured on a GPU by our TensorRT backend (the same GPU and kernels of the same kind); a CPU
+profile's table is written for reference and left off (the entry's `cost_table_enabled` and
+`cost_table_note` say so): measure the deployment's own steps with TensorRT-LLM for it.
 
 Exactness. Four parts of our drafter have no counterpart in TensorRT-LLM's generic DSpark
 drafter, and are converted as closely as the format allows; `differences` in the returned entry
@@ -135,20 +143,23 @@ def cost_table(profile_path: Path) -> dict:
     return table
 
 
-def serve_options(block_size: int, has_table: bool, has_sts: bool) -> str:
-    lines = ["# trtllm-serve TARGET --extra_llm_api_options extra_llm_api_options.yaml  (run from this folder)",
+def serve_options(folder: Path, block_size: int, use_table: bool, has_sts: bool) -> str:
+    """`speculative_config` for the files in `folder` (where they will be: absolute paths)."""
+    lines = ["# trtllm-serve TARGET --extra_llm_api_options extra_llm_api_options.yaml",
              "speculative_config:", "  decoding_type: DSpark", f"  max_draft_len: {block_size}",
-             "  speculative_model: ./drafter"]
-    if has_table:
+             f"  speculative_model: {json.dumps(str(folder / 'drafter'))}"]
+    if use_table:
         lines += ["  enable_confidence_scheduling: true", "  enable_ragged_verify: true",
-                  "  confidence_sps_table_path: ./sps_table.json"]
+                  f"  confidence_sps_table_path: {json.dumps(str(folder / 'sps_table.json'))}"]
     if has_sts:
-        lines.append("  confidence_sts_path: ./sts.json")
+        lines.append(f"  confidence_sts_path: {json.dumps(str(folder / 'sts.json'))}")
     return "\n".join(lines) + "\n"
 
 
-def write_trtllm_layout(engine_dir: Path, target, drafter, profile_path: Path | None) -> dict:
-    """Write `engine_dir/trtllm/`; returns the manifest's `trtllm` entry."""
+def write_trtllm_layout(engine_dir: Path, target, drafter, profile_path: Path | None,
+                        final_dir: Path | None = None) -> dict:
+    """Write `engine_dir/trtllm/`; returns the manifest's `trtllm` entry. `final_dir`: where the
+    engine directory will be once built (the options name files there)."""
     from safetensors.torch import save_file
 
     from dspark_trt.errors import DsparkError
@@ -161,11 +172,21 @@ def write_trtllm_layout(engine_dir: Path, target, drafter, profile_path: Path | 
     save_file(state, str(out / "drafter" / "model.safetensors"))
     (out / "drafter" / "config.json").write_text(json.dumps(drafter_config(drafter, target, mask_token_id), indent=2) + "\n")
     has_table = profile_path is not None and profile_path.is_file()
+    entry = {"path": "trtllm", "exact": False, "differences": differences, "cost_table": has_table}
+    use_table = False
     if has_table:
-        (out / "sps_table.json").write_text(json.dumps(cost_table(profile_path), indent=2) + "\n")
+        table = cost_table(profile_path)
+        (out / "sps_table.json").write_text(json.dumps(table, indent=2) + "\n")
+        use_table = table["_meta"]["backend"] == "tensorrt"
+        entry["cost_table_measured_on"] = f"{table['_meta']['backend']} ({table['_meta']['device']})"
+        if not use_table:
+            entry["cost_table_note"] = ("measured on our CPU backend, not on TensorRT-LLM's GPU engine: written for "
+                                        "reference, confidence scheduling left off in extra_llm_api_options.yaml")
+    entry["cost_table_enabled"] = use_table
     temperatures = drafter.config.confidence_temperatures
     if temperatures:
         (out / "sts.json").write_text(json.dumps({"sts_temperatures": list(temperatures)}) + "\n")
-    (out / "extra_llm_api_options.yaml").write_text(serve_options(drafter.config.block_size, has_table, bool(temperatures)))
-    return {"path": "trtllm", "exact": False, "differences": differences, "cost_table": has_table,
-            "sts": bool(temperatures)}
+    folder = Path(final_dir or engine_dir).expanduser().resolve() / "trtllm"
+    (out / "extra_llm_api_options.yaml").write_text(serve_options(folder, drafter.config.block_size, use_table,
+                                                                  bool(temperatures)))
+    return {**entry, "sts": bool(temperatures)}
