@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import shutil
 import sys
 import types
 import typing
@@ -72,6 +73,59 @@ def check_impl(function, tensors: list[str], attributes: dict) -> None:
     assert signature.return_annotation in (inspect.Parameter.empty, None)
 
 
+class KernelLaunchParams:
+    grid_x = grid_y = grid_z = block_x = block_y = block_z = shared_mem = None
+
+
+class SymExprs(list):
+    pass
+
+
+class SymIntExprs(SymExprs):
+    def __init__(self, length: int):
+        super().__init__([None] * length)
+
+
+def SymInt32(value):  # noqa: N802  (TensorRT's name)
+    return ("int32", value)
+
+
+def check_aot_impl(function, tensors: list[str], attributes: dict) -> None:
+    """TensorRT's checks of an `@aot_impl` function: tensors, attributes (agreeing with the
+    registration), `outputs`, `tactic`; a 4-tuple of (str | bytes, str | bytes,
+    KernelLaunchParams, a SymExprs) returned."""
+    signature = inspect.signature(function)
+    for name, param in signature.parameters.items():
+        annotation = param.annotation
+        if annotation is inspect.Parameter.empty:
+            continue
+        if name == "outputs":
+            assert typing.get_origin(annotation) is tuple
+            assert all(issubclass(arg, TensorDesc) for arg in typing.get_args(annotation))
+        elif name == "tactic":
+            assert issubclass(annotation, int)
+        elif issubclass(annotation, TensorDesc):
+            assert name in tensors
+        else:
+            assert attributes[name] == annotation, name
+    names = list(signature.parameters)
+    assert names[: len(tensors)] == tensors and names[-2:] == ["outputs", "tactic"]
+    assert all(name in attributes for name in names[len(tensors) : -2])
+    returned = signature.return_annotation
+    assert typing.get_origin(returned) is tuple and len(typing.get_args(returned)) == 4
+    for arg in typing.get_args(returned)[:2]:
+        assert set(typing.get_args(arg)) == {str, bytes}
+    assert issubclass(typing.get_args(returned)[2], KernelLaunchParams)
+    assert issubclass(typing.get_args(returned)[3], SymExprs)
+
+
+class Desc(TensorDesc):
+    """A TensorDesc as an aot_impl sees one: its shape as (here constant) expressions."""
+
+    def __init__(self, *shape):
+        self.shape_expr, self.ndim = list(shape), len(shape)
+
+
 @pytest.fixture
 def stand_in_tensorrt(monkeypatch):
     """`tensorrt` and `tensorrt.plugin` modules whose `register`/`impl` apply the checks above."""
@@ -92,22 +146,50 @@ def stand_in_tensorrt(monkeypatch):
             return function
         return decorate
 
-    plugin.register, plugin.impl = register, impl
+    def aot_impl(plugin_id):
+        def decorate(function):
+            check_aot_impl(function, *registered[plugin_id])
+            registered[plugin_id + "/aot"] = function
+            return function
+        return decorate
+
+    plugin.register, plugin.impl, plugin.aot_impl = register, impl, aot_impl
+    plugin.KernelLaunchParams, plugin.SymExprs, plugin.SymIntExprs, plugin.SymInt32 = (
+        KernelLaunchParams, SymExprs, SymIntExprs, SymInt32)
     tensorrt = types.ModuleType("tensorrt")
     tensorrt.plugin, tensorrt.int64 = plugin, "int64"
     monkeypatch.setitem(sys.modules, "tensorrt", tensorrt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
     import dspark_trt.plugins.sequential_draft_trt as module
 
-    monkeypatch.setattr(module, "_registered", False)
+    monkeypatch.setattr(module, "_registered", None)
     return registered
 
 
 def test_the_plugin_passes_tensorrts_registration_checks(stand_in_tensorrt):
-    sd.register_tensorrt_plugin()
+    implementation = sd.register_tensorrt_plugin()
     tensors, attributes = stand_in_tensorrt[sd.PLUGIN_ID]
     assert tuple(tensors) == sd.INPUT_NAMES and tuple(attributes) == sd.ATTRIBUTES
     assert stand_in_tensorrt[sd.PLUGIN_ID + "/impl"]
+    assert implementation == ("aot" if shutil.which("nvcc") else "jit")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed (the AOT kernel needs it)")
+def test_the_ahead_of_time_implementation_launches_the_kernel_per_row(stand_in_tensorrt):
+    from dspark_trt.plugins import sequential_draft_kernel as kernel
+
+    assert sd.register_tensorrt_plugin() == "aot"
+    aot = stand_in_tensorrt[sd.PLUGIN_ID + "/aot"]
+    batch, block, vocab, hidden, rank, history, ngram, target_vocab = 3, 7, 8192, 576, 32, 40, 3, 49152
+    descs = {name: Desc(1) for name in sd.INPUT_NAMES}
+    descs.update(logits=Desc(batch, block, vocab), hidden=Desc(batch, block, hidden), w1=Desc(vocab + 1, rank),
+                 history=Desc(batch, history), to_draft=Desc(target_vocab), copy_alpha=Desc(block, ngram))
+    name, ptx, launch, extra = aot(*descs.values(), 1, 1, 3, 1, 0, outputs=(), tactic=0)
+    assert name == b"sequential_draft" and b".visible .entry sequential_draft(" in ptx
+    assert launch.grid_x == batch and (launch.block_x, launch.shared_mem) == kernel.launch_shape(rank)
+    # the kernel's scalars, in its argument order (sequential_draft_kernel.cu)
+    assert [value for _, value in extra] == [batch, block, vocab, hidden, rank, history, ngram, target_vocab,
+                                              1, 1, 3, 1, 0]
 
 
 def test_the_checks_catch_postponed_annotations(stand_in_tensorrt):

@@ -23,6 +23,8 @@ class BuilderFlag(enum.IntEnum):  # TensorRT 11: no FP16 / BF16 (removed), TF32 
 
 class NetworkDefinitionCreationFlag(enum.IntEnum):
     STRONGLY_TYPED = 1
+    PREFER_AOT_PYTHON_PLUGINS = 2
+    PREFER_JIT_PYTHON_PLUGINS = 3
 
 
 class Calls(list):
@@ -117,7 +119,7 @@ def calls(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", trt.plugin)
     import dspark_trt.plugins.sequential_draft_trt as registration
 
-    monkeypatch.setattr(registration, "_registered", False)
+    monkeypatch.setattr(registration, "_registered", None)
     return recorded
 
 
@@ -136,6 +138,25 @@ def test_engines_are_strongly_typed_without_removed_flags(calls, tmp_path, preci
     assert ("parse", graph) in calls  # the graph exported in the engine's precision
     assert (tmp_path / "engines" / "target.plan").read_bytes() == b"plan"
     assert built["precision"] == precision and built["tensorrt_version"] == "11.0.0"
+
+
+def test_an_ahead_of_time_plugin_is_preferred_and_recorded(calls, tmp_path, monkeypatch):
+    """With the AOT kernel registered beside the JIT one, the network asks for AOT plugins, and the
+    manifest says the drafter engine loads without Python."""
+    import dspark_trt.plugins.sequential_draft_trt as registration
+
+    monkeypatch.setattr(registration, "register_tensorrt_plugin", lambda: "aot")
+    config = load_build_config("tiny", ["engines.precision=fp32", f"engines.timing_cache={tmp_path / 'tc'}"])
+    (tmp_path / "onnx").mkdir()
+    target = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
+    drafter = types.SimpleNamespace(feature_layers=(1, 2), hidden_size=64, block_size=4, copy_ngram=0)
+    built = trt_engines.build_engines(tmp_path / "onnx", tmp_path / "engines", config, target, drafter,
+                                      progress=lambda line: None)
+    flag = NetworkDefinitionCreationFlag
+    flags = (1 << flag.STRONGLY_TYPED) | (1 << flag.PREFER_AOT_PYTHON_PLUGINS)
+    assert ("create_network", flags) in calls and ("parse", "drafter.onnx") in calls
+    assert built["drafter"]["sequential_draft_plugin"] == "aot"
+    assert "no Python" in built["sequential_draft_plugin"]
 
 
 def test_trt_check_feeds_a_reduced_precision_engine_its_kv_type():

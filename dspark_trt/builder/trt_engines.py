@@ -5,7 +5,9 @@
 - a persistent timing cache (`engines.timing_cache`, default `$DSPARK_TRT_CACHE/tensorrt-timing.cache`),
   loaded before and saved after every build, so rebuilds skip kernel timing;
 - the `dspark::SequentialDraft` plugin registered before parsing `drafter.onnx`, so the ONNX
-  parser resolves the custom node to it;
+  parser resolves the custom node to it: its ahead-of-time CUDA kernel where nvcc can build it
+  (the network then prefers AOT plugins; the manifest records which one the engine holds and
+  what loading it needs), else its JIT (Python) implementation;
 - strongly typed networks: the precision is the graph's own (`engines.precision` fp16/bf16 builds
   the target from `onnx/target.{fp16,bf16}.onnx`, exported in that type; the drafter stays
   fp32). The weak precision flags (`BuilderFlag.FP16`/`BF16`, deprecated in TensorRT 10.12 and
@@ -81,11 +83,14 @@ def build_engine(onnx_path: Path, plan_path: Path, profile: dict, config: BuildC
 
     from dspark_trt.plugins.sequential_draft import register_tensorrt_plugin
 
-    register_tensorrt_plugin()
+    plugin = register_tensorrt_plugin()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     # Strongly typed: every tensor keeps the type the graph gives it (explicit batch is the only mode).
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    if plugin == "aot":  # both implementations are registered: TensorRT asks which one to embed
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
+    network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
@@ -110,7 +115,8 @@ def build_engine(onnx_path: Path, plan_path: Path, profile: dict, config: BuildC
     cache_file.write_bytes(bytes(build_config.get_timing_cache().serialize()))
     seconds = time.perf_counter() - start
     progress(f"  engine {plan_path.name}: {plan_path.stat().st_size / 1e6:.1f} MB in {seconds:.1f} s")
-    return {"path": plan_path.name, "seconds": round(seconds, 2), "profile": {k: list(v) for k, v in profile.items()}}
+    return {"path": plan_path.name, "seconds": round(seconds, 2), "profile": {k: list(v) for k, v in profile.items()},
+            "sequential_draft_plugin": plugin}
 
 
 def build_engines(onnx_dir: Path, engine_dir: Path, config: BuildConfig, target_config, drafter_config,
@@ -119,9 +125,7 @@ def build_engines(onnx_dir: Path, engine_dir: Path, config: BuildConfig, target_
     import tensorrt as trt
 
     built = {"built": True, "tensorrt_version": trt.__version__, "precision": config.engines.precision,
-             "timing_cache": str(timing_cache_path(config)),
-             "sequential_draft_plugin": "tensorrt.plugin JIT (@trtp.impl): needs Python and "
-                                        "dspark_trt.plugins.sequential_draft.register_tensorrt_plugin() at load time"}
+             "timing_cache": str(timing_cache_path(config))}
     t = target_config
     precision = config.engines.precision
     target_graph = onnx_dir / ("target.onnx" if precision == "fp32" else f"target.{precision}.onnx")
@@ -134,4 +138,14 @@ def build_engines(onnx_dir: Path, engine_dir: Path, config: BuildConfig, target_
                                         _profiles(config, "drafter", (width, drafter_config.block_size,
                                                                   bool(drafter_config.copy_ngram))),
                                         config, progress)
+        built["sequential_draft_plugin"] = PLUGIN_NEEDS[built["drafter"]["sequential_draft_plugin"]]
     return built
+
+
+# What loading an engine that holds the SequentialDraft plugin needs (the manifest records it).
+PLUGIN_NEEDS = {
+    "aot": "ahead of time: the PTX of dspark_trt/plugins/sequential_draft_kernel.cu is embedded in drafter.plan; "
+           "loading needs no Python and no plugin library (trtexec, Triton's TensorRT backend)",
+    "jit": "just in time (@trtp.impl, no nvcc or TensorRT < 10.9 at build time): loading needs Python and "
+           "dspark_trt.plugins.sequential_draft.register_tensorrt_plugin() first",
+}

@@ -304,9 +304,10 @@ def register_torchscript_symbolic(opset: int) -> None:
 # ---- face 3: the TensorRT plugin ----------------------------------------------------------------
 
 
-def register_tensorrt_plugin() -> None:
-    """Register `dspark::SequentialDraft` with TensorRT's plugin registry (idempotent); see
-    `sequential_draft_trt.py`, which holds it apart because its annotations must be classes."""
+def register_tensorrt_plugin() -> str:
+    """Register `dspark::SequentialDraft` with TensorRT's plugin registry (idempotent); returns the
+    implementation registered, "aot" or "jit". See `sequential_draft_trt.py`, which holds it apart
+    because its annotations must be classes."""
     from dspark_trt.plugins.sequential_draft_trt import register_tensorrt_plugin as register
 
-    register()
+    return register()
