@@ -55,7 +55,7 @@ class LLM:
                  engine_dir: str | os.PathLike | None = None, dtype: str = DEFAULT_DTYPE,
                  max_batch_size: int = 32, max_batch_tokens: int = 2048, max_model_len: int = 2048,
                  policy: str = DEFAULT_POLICY, profile: LatencyProfile | str | os.PathLike | None = None,
-                 batch_invariant: bool = False, device: str | torch.device = "cpu"):
+                 batch_invariant: bool = False, device: str | torch.device = "cpu", drafter_graph: bool | None = None):
         """`policy`: how many draft tokens each step verifies (`auto`, `none`, `all`, `fixed:K`,
         `threshold:H`, `dspark`, `dspark-lagged`; `verify_policy.resolve_policy`). The default,
         `auto`, is `dspark` for a drafter with a confidence head (with a quick latency profile
@@ -72,9 +72,15 @@ class LLM:
         With `engine_dir`, `auto` is the dtype the directory was built and profiled in.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
         sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
-        runs on its GPU whatever this says)."""
+        runs on its GPU whatever this says).
+        `drafter_graph` (with `engine_dir`): draft with the directory's exported drafter graph
+        (`runtime/graph_proposer.py`) instead of the PyTorch drafter: its TensorRT engine on the
+        GPU, or its ONNX graph in ONNX Runtime on the CPU. Default: for a TensorRT directory."""
         from dspark_trt.runtime.device import resolve_device
 
+        if drafter_graph and engine_dir is None:
+            raise InvalidRequestError("drafter_graph serves an engine directory's drafter graph: give engine_dir",
+                                      "drafter_graph")
         device = resolve_device(device)  # before loading anything: a missing GPU fails fast
         built = None
         if engine_dir is not None:  # target, drafter and latency profile come from what `dspark-trt build` wrote
@@ -115,6 +121,10 @@ class LLM:
             if weight_dtype == torch.bfloat16:
                 model.use_bf16_weights()
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
+            if built is not None and (drafter_graph if drafter_graph is not None else built.backend == "tensorrt"):
+                from dspark_trt.runtime.graph_proposer import graph_proposer
+
+                proposer = graph_proposer(built, model)
         if isinstance(profile, (str, os.PathLike)):
             profile = LatencyProfile.load(profile)
         if built is not None and built.backend == "tensorrt":  # the engine holds the GPU's copy
