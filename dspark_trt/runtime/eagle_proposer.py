@@ -39,7 +39,7 @@ class EagleProposer(Proposer):
         if not len(features):
             return
         state = self.states.setdefault(request.request_id, EagleState())
-        fused = self.drafter.fuse_features(features)[None]  # [1, k, d]
+        fused = self.drafter.fuse_features(features.cpu())[None]  # [1, k, d]; drafts on the CPU
         start = state.cache.length
         if start == 0:
             fused = torch.cat([torch.zeros_like(fused[:, :1]), fused], dim=1)

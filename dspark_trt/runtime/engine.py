@@ -53,7 +53,7 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]  # committed this step (possibly none: a mid-prompt chunk)
     logits: torch.Tensor  # [kept positions with logits, vocab]
-    features: torch.Tensor | None  # [kept positions, num_feature_layers * hidden]; None without feature layers
+    features: torch.Tensor | None  # [kept positions, m * hidden], on the target's device; None: no feature layers
 
 
 class Engine:

@@ -4,8 +4,9 @@ It packs the feeds into one ragged batch (tokens in feed order), passes the logi
 scheduler chose (`Feed.num_logit_rows`: the last rows of each feed), runs the backend (our
 PyTorch/C target or a TensorRT engine: `forward(token_ids, num_new_tokens, caches,
 logits_indices, feature_layers, batch_invariant)`, see DESIGN.md section 3) and hands the rows
-back per feed, on the CPU: sampling, verification and the drafter run there, so a GPU target
-hands its rows over once per step.
+back per feed: the logits on the CPU (sampling and verification run there, so a GPU target hands
+its rows over once per step), the features where the target computed them (a drafter moves them
+where it drafts: a drafter engine beside a GPU target takes them without a round trip).
 
 `batch_invariant` is the runner's property, fixed at construction: each request's logits then
 do not depend on what else shares the step (slow; only the PyTorch target offers it).
@@ -54,7 +55,7 @@ class ModelRunner:
             batch_invariant=self.batch_invariant,
         )
         logits_rows = output.logits.cpu()  # [num_logits, vocab]
-        feature_rows = output.features.cpu() if output.features is not None else None  # [tokens, m * hidden]
+        feature_rows = output.features  # [tokens, m * hidden], on the target's device
         logits, features, row, offset = [], [], 0, 0
         for feed in feeds:
             logits.append(logits_rows[row : row + feed.num_logit_rows])

@@ -135,7 +135,7 @@ class TensorRTTargetModel:
         pool.keys, pool.values = present_k, present_v
         for cache, count in zip(caches, num_new_tokens):
             cache.advance(count)
-        features = outputs["features"].cpu() if feature_layers else None
+        features = outputs["features"] if feature_layers else None  # stays on the GPU (model_runner.py)
         return TargetOutput(logits=outputs["logits"].cpu(), features=features)
 
 

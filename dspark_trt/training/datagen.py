@@ -118,7 +118,7 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
             request = step.request
             if capture:
                 feats, lses = captured[request.request_id]
-                feats.append(step.features.to(torch.float16))
+                feats.append(step.features.to(torch.float16).cpu())
                 if len(step.logits):
                     lses.append(torch.logsumexp(step.logits.float(), dim=-1))
             if request.finished:
