@@ -442,6 +442,9 @@ def test_reduced_precision_builds_export_the_graph_tensorrt_builds(tmp_path, pre
     reduced = onnx.TensorProto.FLOAT16 if precision == "fp16" else onnx.TensorProto.BFLOAT16
     assert types["past_keys"] == types["present_values"] == reduced
     assert types["logits"] == types["features"] == onnx.TensorProto.FLOAT
+    # the weights themselves are stored in that type (the engine and the file at half the size)
+    weights = [t for t in graph.graph.initializer if len(t.dims) == 2]
+    assert weights and all(t.data_type == reduced for t in weights), [(t.name, t.data_type) for t in weights]
     check = json.loads((output / "validation" / "report.json").read_text())[f"target_{precision}"]
     assert report.manifest["validation"][f"target_{precision}"] is True
     if precision == "fp16":  # ONNX Runtime runs float16 on CPU: compared with torch in float16

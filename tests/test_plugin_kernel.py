@@ -85,3 +85,12 @@ def test_nvcc_builds_the_ptx_tensorrt_embeds():
     assert ".target sm_75" in ptx  # the oldest architecture it runs on; the driver compiles it for the GPU
     threads, shared = kernel.launch_shape(rank=16)
     assert threads == kernel.THREADS and shared == 4 * (2 * threads + 8 * 16 + kernel.MAX_NGRAM + 4)
+
+
+def test_copy_ngrams_past_the_kernels_bound_export_without_the_plugin():
+    from types import SimpleNamespace
+
+    from dspark_trt.builder.export_drafter import plugin_supported
+
+    assert plugin_supported(SimpleNamespace(prefix_layer=False, copy_ngram=kernel.MAX_NGRAM))
+    assert not plugin_supported(SimpleNamespace(prefix_layer=False, copy_ngram=kernel.MAX_NGRAM + 1))

@@ -119,11 +119,26 @@ def check_aot_impl(function, tensors: list[str], attributes: dict) -> None:
     assert issubclass(typing.get_args(returned)[3], SymExprs)
 
 
+class ShapeExpr:
+    """A constant dimension as TensorRT's shape expressions give it: `constant_value()` is a method."""
+
+    is_constant = True
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def constant_value(self) -> int:
+        return self.value
+
+    def __eq__(self, other):
+        return self.value == (other.value if isinstance(other, ShapeExpr) else other)
+
+
 class Desc(TensorDesc):
     """A TensorDesc as an aot_impl sees one: its shape as (here constant) expressions."""
 
     def __init__(self, *shape):
-        self.shape_expr, self.ndim = list(shape), len(shape)
+        self.shape_expr, self.ndim = [ShapeExpr(d) for d in shape], len(shape)
 
 
 @pytest.fixture
@@ -190,6 +205,9 @@ def test_the_ahead_of_time_implementation_launches_the_kernel_per_row(stand_in_t
     # the kernel's scalars, in its argument order (sequential_draft_kernel.cu)
     assert [value for _, value in extra] == [batch, block, vocab, hidden, rank, history, ngram, target_vocab,
                                               1, 1, 3, 1, 0]
+    huge = {**descs, "w1": Desc(vocab + 1, 4096)}  # a head whose state would not fit in shared memory
+    with pytest.raises(ValueError, match="shared memory"):
+        aot(*huge.values(), 1, 1, 3, 1, 0, outputs=(), tactic=0)
 
 
 def test_the_checks_catch_postponed_annotations(stand_in_tensorrt):

@@ -77,8 +77,11 @@ def input_names(config) -> list[str]:
 
 
 def plugin_supported(config) -> bool:
-    """Whether the drafter's sequential head can be the one `SequentialDraft` node (module docstring)."""
-    return not config.prefix_layer
+    """Whether the drafter's sequential head can be the one `SequentialDraft` node (module docstring):
+    not with a prefix layer, nor with copy n-grams longer than the plugin's kernel takes."""
+    from dspark_trt.plugins.sequential_draft_kernel import MAX_NGRAM
+
+    return not config.prefix_layer and config.copy_ngram <= MAX_NGRAM
 
 
 class ExportDrafter(nn.Module):

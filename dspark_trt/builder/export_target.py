@@ -13,8 +13,8 @@
 
 `dtype` is the precision the graph carries (TensorRT builds strongly typed networks, so the
 graph's types are the engine's): float32, or float16 / bfloat16 for the weights, activations
-and the KV pool, with RMSNorm, RoPE and the attention softmax computed in float32 (as
-transformers does) and logits and features returned in float32.
+and the KV pool, with RMSNorm, RoPE, the attention scores and their softmax computed in float32
+(as transformers does) and logits and features returned in float32.
 
 Token t attends to the keys of its slot at positions <= positions[t] (after this step's keys
 are written), which is exactly `models/target.TargetModel.forward` for any mix of prefill
@@ -71,7 +71,7 @@ class ExportTarget(nn.Module):
         visible = key_positions[None] <= positions[:, None]  # [T, C]
         visible = visible[:, None, None, :]  # [T, 1, 1, C]
 
-        x = m.embed[input_ids].to(self.dtype)  # [T, D]
+        x = w(m.embed)[input_ids]  # [T, D]; the table itself in dtype (folded into the initializer)
         tokens = x.shape[0]
         features, present_k, present_v = {}, [], []
         for index, layer in enumerate(m.layers):
@@ -90,7 +90,8 @@ class ExportTarget(nn.Module):
             present_k.append(keys)
             present_v.append(values)
             own_k, own_v = keys[token_slots], values[token_slots]  # [T, KVH, C, HD]
-            scores = (q.view(tokens, kv_heads, group, hd) @ own_k.transpose(-1, -2)).float() * (hd ** -0.5)
+            # q.k in float32: in float16 it overflows past |q.k| = 65504 before any scaling
+            scores = (q.view(tokens, kv_heads, group, hd).float() @ own_k.float().transpose(-1, -2)) * (hd ** -0.5)
             scores = scores.masked_fill(~visible, float("-inf"))  # [T, KVH, g, C], float32
             attn = (scores.softmax(-1).to(self.dtype) @ own_v).reshape(tokens, heads * hd)
             o = attn @ w(layer.o.weight_t)

@@ -59,7 +59,8 @@ struct Shared {
     float *previous;     // [R]  W1[x_{k-1}]
     float *gates;        // [6R] the GRU's input and hidden gate pre-activations
     int *candidates;     // [MAX_NGRAM] draft-vocabulary copy candidates of the slot
-    float *scalars;      // [4]
+    float *scalars;      // [2] a reduction's result
+    int *ids;            // [2] token ids chosen by thread 0 (ints: exact for any vocabulary)
 };
 
 DEVICE float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -139,10 +140,10 @@ DEVICE int block_argmax(Shared &s, int tid, int threads, const float *row, int V
                 s.partial[0] = s.partial[t];
                 s.partial_index[0] = s.partial_index[t];
             }
-        s.scalars[1] = (float)s.partial_index[0];
+        s.ids[0] = s.partial_index[0];
     }
     SYNC();
-    int result = (int)s.scalars[1];
+    int result = s.ids[0];
     SYNC();
     return result;
 }
@@ -242,10 +243,10 @@ DEVICE void draft_row(const Args &a, int b, int tid, int threads, Shared &s) {
             a.draft_ids[(int64_t)b * a.G + k] = choice;
             a.token_probs[(int64_t)b * a.G + k] = row[choice];
             a.confidences[(int64_t)b * a.G + k] = confidence;
-            s.scalars[2] = (float)choice;
+            s.ids[1] = choice;
         }
         SYNC();
-        previous = (int64_t)s.scalars[2];
+        previous = s.ids[1];
         SYNC();
     }
 }
@@ -270,10 +271,10 @@ DEVICE void draft_row(const Args &a, int b, int tid, int threads, Shared &s) {
 extern "C" int sequential_draft_host(KERNEL_PARAMETERS) {
     KERNEL_ARGS;
     if (copy_ngram > MAX_NGRAM) return 1;
-    float partial[1], scalars[4], *state = new float[R > 0 ? R : 1], *prev = new float[R > 0 ? R : 1];
+    float partial[1], scalars[2], *state = new float[R > 0 ? R : 1], *prev = new float[R > 0 ? R : 1];
     float *gates = new float[R > 0 ? 6 * R : 1];
-    int partial_index[1], candidates[MAX_NGRAM];
-    Shared s = {partial, partial_index, state, prev, gates, candidates, scalars};
+    int partial_index[1], candidates[MAX_NGRAM], ids[2];
+    Shared s = {partial, partial_index, state, prev, gates, candidates, scalars, ids};
     for (int b = 0; b < B; ++b) draft_row(a, b, 0, 1, s);
     delete[] state;
     delete[] prev;
@@ -281,7 +282,8 @@ extern "C" int sequential_draft_host(KERNEL_PARAMETERS) {
     return 0;
 }
 #else
-// One block per row (grid_x = B); dynamic shared memory: threads * 2 words + (8R + MAX_NGRAM + 4) words.
+// One block per row (grid_x = B); dynamic shared memory: threads * 2 words + (8R + MAX_NGRAM + 4) words
+// (the last 4: two reduction results, two ids).
 extern "C" __global__ void sequential_draft(KERNEL_PARAMETERS) {
     KERNEL_ARGS;
     extern __shared__ float shared[];
@@ -294,6 +296,7 @@ extern "C" __global__ void sequential_draft(KERNEL_PARAMETERS) {
     s.gates = s.previous + R;
     s.candidates = (int *)(s.gates + 6 * R);
     s.scalars = (float *)(s.candidates + MAX_NGRAM);
+    s.ids = (int *)(s.scalars + 2);
     draft_row(a, blockIdx.x, threadIdx.x, threads, s);
 }
 #endif

@@ -29,7 +29,8 @@ from dspark_trt.errors import DsparkError
 SOURCE = Path(__file__).with_name("sequential_draft_kernel.cu")
 KERNEL_NAME = "sequential_draft"
 THREADS = 256
-MAX_NGRAM = 8  # the kernel's bound on copy n-gram lengths
+MAX_NGRAM = 8  # the kernel's bound on copy n-gram lengths (longer: the drafter exports without the plugin)
+MAX_SHARED_BYTES = 48 * 1024  # what a kernel may use without cudaFuncSetAttribute
 # The oldest architecture the PTX targets: the driver compiles it for the GPU it runs on (Turing on).
 DEFAULT_ARCH = "compute_75"
 

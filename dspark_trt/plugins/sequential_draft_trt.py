@@ -72,7 +72,7 @@ def register_tensorrt_plugin() -> str:
         return _registered
     try:
         ptx = kernel.ptx()
-    except kernel.KernelBuildError:
+    except (kernel.KernelBuildError, OSError):  # no nvcc, or no writable cache: the JIT plugin serves
         return _registered
 
     @trtp.aot_impl(PLUGIN_ID)
@@ -105,10 +105,21 @@ def aot_launch(trtp, ptx: str, logits, hidden, w1, history, to_draft, copy_alpha
     extra = trtp.SymIntExprs(len(scalars))
     for i, value in enumerate(scalars):
         extra[i] = trtp.SymInt32(value)
-    static_rank = rank if isinstance(rank, int) else rank.constant_value  # weights: a build-time constant
-    threads, shared_bytes = kernel.launch_shape(static_rank)
+    threads, shared_bytes = kernel.launch_shape(constant(rank))  # w1 is a weight: its shape is known
+    if shared_bytes > kernel.MAX_SHARED_BYTES:
+        raise ValueError(f"a head of rank {constant(rank)} needs {shared_bytes} bytes of shared memory, more than "
+                         f"the {kernel.MAX_SHARED_BYTES} a kernel gets without opting in")
     launch = trtp.KernelLaunchParams()
     launch.grid_x = logits.shape_expr[0]  # one block per row
     launch.block_x = threads
     launch.shared_mem = shared_bytes
     return kernel.KERNEL_NAME.encode(), ptx.encode(), launch, extra
+
+
+def constant(value) -> int:
+    """The value of a constant shape expression (TensorRT's `constant_value()` is a method) or an int."""
+    if isinstance(value, int):
+        return value
+    if not value.is_constant:
+        raise ValueError(f"{value} is not a build-time constant")
+    return int(value.constant_value())

@@ -13,7 +13,9 @@ engine. The same `Proposer` contract as `DSparkProposer`, from the graph's input
 
 The graph is stateless (it re-projects the context each call), so a request's state is only its
 context rows. A seeded sampled request's tokens do not depend on the drafts at all
-(`sampling.verify_draft_coupled`), so the graph's inverse-CDF draws serve it too. The runners
+(`sampling.verify_draft_coupled`), so the graph's inverse-CDF draws serve it too, but they are
+not coupled to the target's per-position noise as `DSparkProposer`'s are, so its drafts are
+accepted less often (the graph has no noise input yet). The runners
 (`OnnxRuntimeDrafter`, `TensorRTDrafter`) only run the graph: numpy in and out for ONNX Runtime,
 torch tensors on the GPU for TensorRT. The GPU path has not run yet (no GPU here); the CPU path is
 tested against `DSparkProposer` (tests/test_graph_proposer.py).
@@ -72,7 +74,10 @@ class TensorRTDrafter:
         for name, value in feeds.items():
             value = value.to(self.device).contiguous()
             feeds[name] = value
-            self.context.set_input_shape(name, tuple(value.shape))
+            if not self.context.set_input_shape(name, tuple(value.shape)):
+                low, _, high = self.engine.get_tensor_profile_shape(name, 0)
+                raise DsparkError(f"drafter input {name} of shape {tuple(value.shape)} is outside the engine's "
+                                  f"profile [{tuple(low)}, {tuple(high)}] (drafter_shapes in the build config)")
             self.context.set_tensor_address(name, value.data_ptr())
         outputs = {}
         for name in OUTPUT_NAMES:
@@ -101,7 +106,8 @@ class GraphProposer(Proposer):
         self.contexts: dict[str, list[torch.Tensor]] = {}  # request id -> feature rows, in order
 
     def observe(self, request: Request, features: torch.Tensor) -> None:
-        self.contexts.setdefault(request.request_id, []).append(features.to(self.runner.device))
+        # A copy: `features` is a view of the whole step's output, which would otherwise live on.
+        self.contexts.setdefault(request.request_id, []).append(features.to(self.runner.device).clone())
 
     def release(self, request: Request) -> None:
         self.contexts.pop(request.request_id, None)
