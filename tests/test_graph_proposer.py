@@ -58,3 +58,13 @@ def test_drafter_graph_needs_an_engine_directory():
     with pytest.raises(InvalidRequestError) as raised:
         LLM(target="tiny-random", drafter_graph=True)
     assert raised.value.param == "drafter_graph"
+
+
+def test_the_latency_profile_can_time_the_graph_drafter(engine_dir):
+    """What `build` does for a TensorRT directory (the drafter engine is what serves), here with ONNX Runtime."""
+    from dspark_trt.runtime.profile import measure_drafter_curve
+
+    llm = LLM(engine_dir=engine_dir, dtype="float32", drafter_graph=True, policy="all")
+    seconds = measure_drafter_curve(llm.target, llm.engine.proposer, [1, 2], context_length=16, repeats=1)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert llm.engine.proposer.contexts == {}  # the profile's requests were released

@@ -304,7 +304,12 @@ def measure_profile(config: BuildConfig, target, drafter, staging: Path, backend
 
         layers = tuple(drafter.config.feature_layers) if drafter is not None else ()
         target = tensorrt_target(target, staging / "engines" / "target.plan", layers)
-    if drafter is not None:
+    if drafter is not None and backend == "tensorrt":  # what serves it: the drafter engine, beside the target's
+        from dspark_trt.runtime.graph_proposer import GraphProposer, TensorRTDrafter
+
+        proposer = GraphProposer(TensorRTDrafter(staging / "engines" / "drafter.plan"), drafter.config,
+                                 drafter.draft_vocab)
+    elif drafter is not None:
         from dspark_trt.runtime.dspark_proposer import DSparkProposer
 
         proposer = DSparkProposer(drafter)
