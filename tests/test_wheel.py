@@ -176,7 +176,8 @@ def test_wheel_holds_the_package_and_only_the_bundled_data(wheel):
     sets = [relative for relative, _ in {**prompts.TRAINING_SETS, **prompts.EVALUATION_SETS}.values() if relative]
     for relative in [*sets, *{s.split("/")[0] + "/LICENSE" for s in sets}, "SOURCES.md"]:
         assert data + "prompts/" + relative in names
-    assert {"dspark_trt/kernels/cpu_kernels.c", "dspark_trt/resources.py", "dspark_trt/cli.py"} <= names
+    assert {"dspark_trt/kernels/cpu_kernels.c", "dspark_trt/plugins/sequential_draft_kernel.cu",
+            "dspark_trt/resources.py", "dspark_trt/cli.py"} <= names
     top_level = {n.split("/")[0] for n in names}
     assert top_level == {"dspark_trt", wheel.name.split("-py")[0] + ".dist-info"}, top_level  # no tests/, data/
     assert not [n for n in names if "/train/" in n or "eagle3" in n or "mtp1" in n or "dflash" in n
