@@ -52,23 +52,30 @@ def check_register(function) -> tuple[list[str], dict]:
     return tensors, attributes
 
 
-def check_impl(function, tensors: list[str], attributes: dict) -> None:
-    """TensorRT's checks of an `@impl` function: annotations, where given, are classes that agree
-    with the registration; the parameters are the tensors, the attributes, `outputs`, `stream`."""
-    signature = inspect.signature(function)
+def check_annotations(signature, tensors: list[str], attributes: dict, tensor_class: type, int_names: tuple) -> None:
+    """The annotation rules `impl` and `aot_impl` share: where given, `outputs` is a tuple of
+    `tensor_class`, each of `int_names` an int, a tensor one of the registered tensors, an attribute
+    the registration's type."""
     for name, param in signature.parameters.items():
         annotation = param.annotation
         if annotation is inspect.Parameter.empty:
             continue
         if name == "outputs":
             assert typing.get_origin(annotation) is tuple
-            assert all(issubclass(arg, Tensor) for arg in typing.get_args(annotation))
-        elif name == "stream":
+            assert all(issubclass(arg, tensor_class) for arg in typing.get_args(annotation))
+        elif name in int_names:
             assert issubclass(annotation, int)
-        elif issubclass(annotation, Tensor):
+        elif issubclass(annotation, tensor_class):
             assert name in tensors
         else:
             assert attributes[name] == annotation, name
+
+
+def check_impl(function, tensors: list[str], attributes: dict) -> None:
+    """TensorRT's checks of an `@impl` function: the parameters are the tensors, the attributes,
+    `outputs`, `stream`; nothing returned."""
+    signature = inspect.signature(function)
+    check_annotations(signature, tensors, attributes, Tensor, ("stream",))
     assert list(signature.parameters) == [*tensors, *attributes, "outputs", "stream"]
     assert signature.return_annotation in (inspect.Parameter.empty, None)
 
@@ -95,19 +102,7 @@ def check_aot_impl(function, tensors: list[str], attributes: dict) -> None:
     registration), `outputs`, `tactic`; a 4-tuple of (str | bytes, str | bytes,
     KernelLaunchParams, a SymExprs) returned."""
     signature = inspect.signature(function)
-    for name, param in signature.parameters.items():
-        annotation = param.annotation
-        if annotation is inspect.Parameter.empty:
-            continue
-        if name == "outputs":
-            assert typing.get_origin(annotation) is tuple
-            assert all(issubclass(arg, TensorDesc) for arg in typing.get_args(annotation))
-        elif name == "tactic":
-            assert issubclass(annotation, int)
-        elif issubclass(annotation, TensorDesc):
-            assert name in tensors
-        else:
-            assert attributes[name] == annotation, name
+    check_annotations(signature, tensors, attributes, TensorDesc, ("tactic",))
     names = list(signature.parameters)
     assert names[: len(tensors)] == tensors and names[-2:] == ["outputs", "tactic"]
     assert all(name in attributes for name in names[len(tensors) : -2])

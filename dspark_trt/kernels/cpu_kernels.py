@@ -40,17 +40,17 @@ CPU lacks leaves the kernels unavailable, with the reason. Needs `gcc` (or `$CC`
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dspark_trt.kernels.build_cache import CompileError, built
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 GROUP_COLUMNS = 64  # the matmul kernel's column group (cpu_kernels.c)
@@ -112,30 +112,12 @@ def supported_isas(cpu_flags: set[str] | None = None) -> list[str]:
     return [name for name, isa in ISAS.items() if set(isa.cpu_flags) <= flags]
 
 
-def _cache_dir() -> Path:
-    from dspark_trt.models.loading import cache_root
-
-    return cache_root() / "kernels"
-
-
 def _compile(compiler: str, isa: str) -> Path:
-    """Build the shared library once per (source, compiler, flags); atomic, so concurrent
-    processes never load a half-written file."""
-    flags = compile_flags(isa)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256((SOURCE.read_text() + version + " ".join(flags)).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"cpu_kernels-{isa}-{key}.so"
-    if library.is_file():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as staging:
-        built = Path(staging) / library.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-400:]}")
-        os.replace(built, library)
-    return library
+    """The shared library for `isa`, built once per (source, compiler, flags) (`build_cache.py`)."""
+    try:
+        return built(SOURCE, [compiler, *compile_flags(isa), str(SOURCE), "-lm"], f"cpu_kernels-{isa}", ".so", compiler)
+    except CompileError as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 _pointer = ctypes.c_void_p

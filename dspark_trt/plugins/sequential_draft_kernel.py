@@ -7,24 +7,22 @@ torch reference.
     run_on_host(*inputs, **attrs)  the kernel's row routine on the CPU (g++, cached), with
                                    `sequential_draft.reference`'s signature and outputs
 
-Both builds are cached under `$DSPARK_TRT_CACHE/kernels`, keyed by the source and compiler, and
-written atomically. Launch shape (`launch_shape`): one block per row, `THREADS` threads, dynamic
-shared memory for the per-thread partials and the row's state. It knows nothing of TensorRT.
+Both builds are cached under `$DSPARK_TRT_CACHE/kernels` (`kernels/build_cache.py`). Launch shape
+(`launch_shape`): one block per row, `THREADS` threads, dynamic shared memory for the per-thread
+partials and the row's state. It knows nothing of TensorRT.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.kernels.build_cache import CompileError, built
 
 SOURCE = Path(__file__).with_name("sequential_draft_kernel.cu")
 KERNEL_NAME = "sequential_draft"
@@ -39,27 +37,11 @@ class KernelBuildError(DsparkError):
     """The kernel could not be compiled here (no compiler, or it failed)."""
 
 
-def _cache_dir() -> Path:
-    from dspark_trt.models.loading import cache_root
-
-    return cache_root() / "kernels"
-
-
 def _build(command: list[str], suffix: str, compiler: str) -> Path:
-    """Run `command + [output]` once per (source, compiler version, command); return the output."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256((SOURCE.read_text() + version + " ".join(command)).encode()).hexdigest()[:16]
-    output = _cache_dir() / f"sequential_draft-{key}{suffix}"
-    if output.is_file():
-        return output
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent) as staging:
-        built = Path(staging) / output.name
-        result = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{Path(compiler).name} failed on {SOURCE.name}: {result.stderr.strip()[-600:]}")
-        os.replace(built, output)
-    return output
+    try:
+        return built(SOURCE, command, "sequential_draft", suffix, compiler)
+    except CompileError as exc:
+        raise KernelBuildError(str(exc)) from None
 
 
 def ptx(arch: str = DEFAULT_ARCH) -> str:
