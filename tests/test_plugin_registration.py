@@ -17,6 +17,7 @@ import typing
 import pytest
 
 from dspark_trt.plugins import sequential_draft as sd
+from dspark_trt.plugins import sequential_draft_trt as registration
 
 SERIALIZABLE = (int, float, bytes, bool, str)
 
@@ -177,7 +178,7 @@ def stand_in_tensorrt(monkeypatch):
 
 
 def test_the_plugin_passes_tensorrts_registration_checks(stand_in_tensorrt):
-    implementation = sd.register_tensorrt_plugin()
+    implementation = registration.register_tensorrt_plugin()
     tensors, attributes = stand_in_tensorrt[sd.PLUGIN_ID]
     assert tuple(tensors) == sd.INPUT_NAMES and tuple(attributes) == sd.ATTRIBUTES
     assert stand_in_tensorrt[sd.PLUGIN_ID + "/impl"]
@@ -188,7 +189,7 @@ def test_the_plugin_passes_tensorrts_registration_checks(stand_in_tensorrt):
 def test_the_ahead_of_time_implementation_launches_the_kernel_per_row(stand_in_tensorrt):
     from dspark_trt.plugins import sequential_draft_kernel as kernel
 
-    assert sd.register_tensorrt_plugin() == "aot"
+    assert registration.register_tensorrt_plugin() == "aot"
     aot = stand_in_tensorrt[sd.PLUGIN_ID + "/aot"]
     batch, block, vocab, hidden, rank, history, ngram, target_vocab = 3, 7, 8192, 576, 32, 40, 3, 49152
     descs = {name: Desc(1) for name in sd.INPUT_NAMES}
@@ -225,6 +226,6 @@ def test_the_registration_module_keeps_annotations_as_classes():
 def test_the_plugin_registers_with_the_real_tensorrt():
     trt = pytest.importorskip("tensorrt", reason="TensorRT is not installed (GPU machines)")
     importlib.import_module("tensorrt.plugin")
-    sd.register_tensorrt_plugin()
+    registration.register_tensorrt_plugin()
     creators = [creator.name for creator in trt.get_plugin_registry().all_creators]
     assert sd.ONNX_OP_TYPE in creators

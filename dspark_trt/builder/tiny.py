@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_trt.models.loading import cache_root, resolve_target
+from dspark_trt.cache import cache_root
+from dspark_trt.models.loading import resolve_target
 
 TINY_SPEC = "tiny-random"
 TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,

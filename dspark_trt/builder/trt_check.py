@@ -52,7 +52,7 @@ def compare(engine_dir: Path) -> dict:
     from polygraphy.json import load_json
 
     from dspark_trt.builder.validate import REDUCED_PRECISION_RTOL, simple_compare_func
-    from dspark_trt.plugins.sequential_draft import register_tensorrt_plugin
+    from dspark_trt.plugins.sequential_draft_trt import register_tensorrt_plugin
 
     register_tensorrt_plugin()
     manifest = json.loads((engine_dir / "manifest.json").read_text())

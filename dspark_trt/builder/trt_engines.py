@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dspark_trt.config import BuildConfig
 from dspark_trt.errors import DsparkError
-from dspark_trt.models.loading import cache_root
+from dspark_trt.cache import cache_root
 
 
 class EngineBuildError(DsparkError):
@@ -81,7 +81,7 @@ def build_engine(onnx_path: Path, plan_path: Path, profile: dict, config: BuildC
     """Parse `onnx_path`, build with one optimization profile, serialise to `plan_path`."""
     import tensorrt as trt
 
-    from dspark_trt.plugins.sequential_draft import register_tensorrt_plugin
+    from dspark_trt.plugins.sequential_draft_trt import register_tensorrt_plugin
 
     plugin = register_tensorrt_plugin()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -147,5 +147,5 @@ PLUGIN_NEEDS = {
     "aot": "ahead of time: the PTX of dspark_trt/plugins/sequential_draft_kernel.cu is embedded in drafter.plan; "
            "loading needs no Python and no plugin library (trtexec, Triton's TensorRT backend)",
     "jit": "just in time (@trtp.impl, no nvcc or TensorRT < 10.9 at build time): loading needs Python and "
-           "dspark_trt.plugins.sequential_draft.register_tensorrt_plugin() first",
+           "dspark_trt.plugins.sequential_draft_trt.register_tensorrt_plugin() first",
 }

@@ -14,14 +14,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from dspark_trt.cache import cache_root
+
 
 class CompileError(RuntimeError):
     """The compiler failed (its stderr's tail is the message)."""
 
 
 def cache_dir() -> Path:
-    from dspark_trt.models.loading import cache_root
-
     return cache_root() / "kernels"
 
 

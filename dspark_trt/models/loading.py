@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_trt.cache import cache_root
 from dspark_trt.errors import ModelLoadError
 from dspark_trt.models.linear import use_bf16_weights
 from dspark_trt.models.target import TargetModel
@@ -40,10 +41,6 @@ class LoadedTarget:
     model: TargetModel
     tokenizer: object  # a transformers PreTrainedTokenizerFast
     eos_token_ids: frozenset[int]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSPARK_TRT_CACHE", Path.home() / ".cache" / "dspark-trt"))
 
 
 def default_target_path() -> Path:

@@ -46,8 +46,8 @@ Faces:
    the exporter sees one node; `onnx_translation` maps it to one ONNX node `SequentialDraft`
    in domain `dspark` with `plugin_namespace`/`plugin_version` attributes, which TensorRT's
    ONNX parser resolves through its plugin registry.
-3. `register_tensorrt_plugin()`: the TensorRT plugin (`tensorrt.plugin`, TensorRT >= 10.7),
-   registered lazily from `sequential_draft_trt.py`: this module imports without TensorRT.
+3. the TensorRT plugin (`tensorrt.plugin`, TensorRT >= 10.7): `sequential_draft_trt.py`'s
+   `register_tensorrt_plugin()`, kept apart so that this module imports without TensorRT.
 
 It does not know about drafters: the caller passes weights (see `builder/export_drafter.py`).
 """
@@ -299,15 +299,3 @@ def register_torchscript_symbolic(opset: int) -> None:
         return outs
 
     register_custom_op_symbolic("dspark::sequential_draft", symbolic, opset)
-
-
-# ---- face 3: the TensorRT plugin ----------------------------------------------------------------
-
-
-def register_tensorrt_plugin() -> str:
-    """Register `dspark::SequentialDraft` with TensorRT's plugin registry (idempotent); returns the
-    implementation registered, "aot" or "jit". See `sequential_draft_trt.py`, which holds it apart
-    because its annotations must be classes."""
-    from dspark_trt.plugins.sequential_draft_trt import register_tensorrt_plugin as register
-
-    return register()

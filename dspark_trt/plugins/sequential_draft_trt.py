@@ -1,5 +1,6 @@
 """Face 3 of `SequentialDraft` (see `sequential_draft.py`): its TensorRT plugin, registered with
-`tensorrt.plugin` (TensorRT >= 10.7) when `register_tensorrt_plugin()` is first called.
+`tensorrt.plugin` (TensorRT >= 10.7) when `register_tensorrt_plugin()` is first called (the builder
+before parsing a graph that holds it, the runtime before loading such an engine).
 
 This module must not use `from __future__ import annotations` (the `str | None` annotation of a
 module variable is not inspected). TensorRT reads the registered

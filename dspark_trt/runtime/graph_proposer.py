@@ -59,7 +59,7 @@ class TensorRTDrafter:
     def __init__(self, plan_path: Path):
         import tensorrt as trt
 
-        from dspark_trt.plugins.sequential_draft import register_tensorrt_plugin
+        from dspark_trt.plugins.sequential_draft_trt import register_tensorrt_plugin
 
         register_tensorrt_plugin()  # a JIT engine needs it to load; an AOT one carries its kernel
         self.trt = trt

@@ -26,7 +26,6 @@ from tqdm import tqdm
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.linear import dtype_name, resolve_dtype
 from dspark_trt.models.loading import LoadedTarget, load_target
-from dspark_trt.training.datagen import feature_file
 
 
 # Above this many rows, training reads each row's features from the cache per batch (and computes
@@ -100,6 +99,11 @@ def read_datasets(paths: list[Path]) -> list[dict]:
 def weight_dtype(target: LoadedTarget) -> torch.dtype:
     """The dtype of the target's weight matrices (what a feature cache records)."""
     return getattr(target.model, "weight_dtype", torch.float32)
+
+
+def feature_file(features_dir: Path, row_id: str) -> Path:
+    """Where a row's cached target features live (`datagen --features-dir` writes them, training reads them)."""
+    return features_dir / (row_id.replace("/", "__") + ".npz")
 
 
 def check_feature_cache(features_dir: Path, target: LoadedTarget, feature_layers: tuple[int, ...]) -> None:

@@ -33,6 +33,7 @@ from dspark_trt.runtime.engine import Engine, StepOutput
 from dspark_trt.runtime.in_flight import Job, run_in_flight
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.sampling import SamplingParams
+from dspark_trt.training.data import check_feature_cache, feature_file  # noqa: F401  (datagen.feature_file: the older home)
 from dspark_trt.training.prompts import Prompt
 
 
@@ -48,10 +49,6 @@ class DatagenConfig:
     # follow a prompt's place in the whole list, so a sharded run writes what one run would, up
     # to batching's rounding (and for the few stdlib prompts whose text shows a memory address).
     shard: tuple[int, int] = (0, 1)
-
-
-def feature_file(features_dir: Path, row_id: str) -> Path:
-    return features_dir / (row_id.replace("/", "__") + ".npz")
 
 
 def done_ids(output: Path) -> set[str]:
@@ -83,7 +80,6 @@ def generate_dataset(target: LoadedTarget, prompts: list[Prompt], output: Path, 
     capture = features_dir is not None
     layers = (*config.feature_layers, target.config.num_layers - 1) if capture else ()
     if capture:
-        from dspark_trt.training.data import check_feature_cache  # data.py reads what this module writes
 
         check_feature_cache(features_dir, target, tuple(config.feature_layers))
     engine = Engine(target, max_batch_size=config.batch_size, max_model_len=max_prompt_tokens + config.max_tokens + 1,

@@ -38,6 +38,7 @@ import ast
 import contextlib
 import dataclasses
 import gzip
+import hashlib
 import importlib
 import inspect
 import io
@@ -311,7 +312,6 @@ def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Pro
     answer is no place for a follow-up), the row's conversation, the answer, and `per_row` of
     `FOLLOW_UPS` in turn, one prompt each. Ids are `followup/<row id>/<r>`. The row's prompt must
     re-encode to its own `prompt_ids` (same set, same tokenizer), or the row is refused by id."""
-    from dspark_trt.training.trainer import is_held_out  # (imports torch: datagen has it loaded)
 
     first_turn = FirstTurns(tokenizer, "follow-up")
     prompts = []
@@ -330,16 +330,23 @@ def follow_up_prompts(rows: list[dict], tokenizer, per_row: int = 1) -> list[Pro
 
 RESAMPLE_PREFIX = "resample/"
 
+def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
+    """A stable split by id: the same rows are held out (for calibration/validation) on every run.
+    A resample (`resample/<id>`: the same prompt answered again) goes where its first row went,
+    so a held-out prompt never reaches training through its second response."""
+    row_id = row_id.removeprefix(RESAMPLE_PREFIX)
+    return int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
 
 def resample_prompts(rows: list[dict], tokenizer) -> list[Prompt]:
     """A second, different response to every training row's prompt: its conversation again at the
     other temperature of datagen's pair (a row answered greedily is sampled at 1; a sampled one
     is answered greedily: a second greedy answer would repeat the first token for token). Ids are
-    `resample/<row id>`; held-out rows are skipped (`trainer.is_held_out` splits a resample by the
+    `resample/<row id>`; held-out rows are skipped (`is_held_out` splits a resample by the
     row it came from, so none could reach training anyway). Only rows of the named training sets
     can be resampled (their conversation is rebuilt and checked against `prompt_ids`); the prompt
     asked is the row's own `prompt_ids`, token for token."""
-    from dspark_trt.training.trainer import is_held_out  # (imports torch: datagen has it loaded)
 
     first_turn = FirstTurns(tokenizer, "resample")
     return [Prompt(RESAMPLE_PREFIX + row["id"], row["domain"], first_turn(row),

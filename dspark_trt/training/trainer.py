@@ -25,7 +25,6 @@ AdamW's moments shrunk: what the repository keeps, see `run_state.py`) and `trai
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -46,7 +45,7 @@ from dspark_trt.models.drafter_io import build_drafter, load_stored_weights, rea
 from dspark_trt.models.loading import LoadedTarget
 from dspark_trt.training.data import Sequence, make_batch
 from dspark_trt.training.losses import SLOT_DECAY, drafter_loss
-from dspark_trt.training.prompts import RESAMPLE_PREFIX
+from dspark_trt.training.prompts import RESAMPLE_PREFIX, is_held_out  # noqa: F401  (trainer.is_held_out: the older home)
 from dspark_trt.training.run_state import (load_run_state, optimizer_from_files, optimizer_to_files, run_progress,
                                            save_compact_run_state, save_run_state)
 
@@ -165,14 +164,6 @@ def starting_drafter(spec: str, target: LoadedTarget, given: dict) -> tuple[Draf
                               f"{field_name} = {theirs!r}; leave the option out (fine-tuning keeps the architecture)")
     config.confidence_temperatures, config.copy_confidence, config.confidence_top_prob = [], [], []
     return config, weights
-
-
-def is_held_out(row_id: str, fraction: float = 0.05) -> bool:
-    """A stable split by id: the same rows are held out (for calibration/validation) on every run.
-    A resample (`resample/<id>`: the same prompt answered again) goes where its first row went,
-    so a held-out prompt never reaches training through its second response."""
-    row_id = row_id.removeprefix(RESAMPLE_PREFIX)
-    return int(hashlib.sha256(row_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
 def build_draft_vocab(rows: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
