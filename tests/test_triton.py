@@ -560,3 +560,12 @@ def test_cancelling_a_grpc_stream_frees_the_request(server):
     assert generated < long  # stopped early, its KV slot freed
     assert "cancelled by the client" in server.log_tail(100_000)
     assert server.generate(text_input="next", max_tokens=2)["num_output_tokens"] == 2
+
+
+def test_only_dtypes_the_runtime_resolves_are_taken(tmp_path, tiny_llama):
+    """float16 was accepted here though nothing resolves it: the model would fail only at Triton's load."""
+    code, output = _run_cli("--target", tiny_llama, "--output", tmp_path / "r", "--dtype", "float16")
+    assert code == 2 and "float16" in output
+    with pytest.raises(DeployConfigError, match="dtype"):
+        DeploySettings(target="default", dtype="float16")
+    assert DeploySettings(target="default", dtype="auto").dtype == "auto"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from dspark_trt.cli_options import DTYPE_CHOICES
 from dspark_trt.triton.model_config import INSTANCE_KINDS
 
 
@@ -26,7 +27,8 @@ from dspark_trt.triton.model_config import INSTANCE_KINDS
 @click.option("--policy", default=None,
               help="Draft tokens verified per step: none, fixed:K, threshold:H, dspark, dspark-lagged "
                    "(default: the whole block with a drafter).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="float32", show_default=True,
+              help="Weights of the target and drafter (as `serve --dtype`; auto: bfloat16 where our CPU kernels run).")
 @click.option("--max-running-requests", type=int, default=32, show_default=True,
               help="Requests in one instance's in-flight batch (KV slots); more wait in a queue.")
 @click.option("--max-batch-tokens", type=int, default=2048, show_default=True, help="Tokens per target step.")
