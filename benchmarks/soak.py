@@ -7,8 +7,9 @@
 `--clients` closed-loop clients (each waits a second after a 429, as Retry-After asks) pick,
 request after request: a streamed chat completion read to the end, a non-streamed one (chat or
 completion), a stream left after two chunks, a non-streamed request left after a fraction of a
-second, or a hostile body (deep JSON, lone surrogates, loose types, a wrong route, a body over the
-size limit). Every `--burst-every` seconds a burst of max_batch_size + max_queue + 4 requests
+second, an evaluation tool's request (a gzip body, one or two prompts, `n` 1 or 2, `echo` with
+`logprobs`, `max_tokens` 0 to 8: every choice checked for its prompt and logprobs), or a hostile
+body (deep JSON, lone surrogates, loose types, a wrong route, a body over the size limit). Every `--burst-every` seconds a burst of max_batch_size + max_queue + 4 requests
 lands at once, over the queue limit. Once a second a monitor reads the server's /metrics (KV
 usage, running, waiting, finished requests by reason), its RSS and how long /health takes.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import platform
@@ -44,7 +46,7 @@ from pathlib import Path
 import httpx
 
 OUTCOMES = ("completed", "cancelled", "refused", "rejected", "failed")
-ACTIONS = {"stream": 35, "plain": 25, "stream_leave": 10, "plain_leave": 10, "hostile": 20}  # weights
+ACTIONS = {"stream": 30, "plain": 25, "stream_leave": 10, "plain_leave": 10, "hostile": 15, "evaluation": 10}  # weights
 # (path, body bytes given the model name): each must get a 4xx other than 429.
 HOSTILE = [
     ("/v1/completions", lambda m: b"[" * 50_000 + b"]" * 50_000),
@@ -158,6 +160,30 @@ class Soak:
             return self._fail(f"plain: bad choice {choice}")
         return "completed"
 
+    async def evaluation(self, rng: random.Random) -> str:
+        """What lm-eval and pass@k scripts send: several choices, echoed and scored, gzip-encoded."""
+        prompts = [p[-1]["content"] for p in rng.sample(self.prompts, rng.choice([1, 2]))]
+        n = rng.choice([1, 2])
+        body = {"model": self.model, "prompt": prompts, "n": n, "echo": True, "logprobs": rng.choice([0, 1, 5]),
+                "max_tokens": rng.choice([0, 1, 8]), "temperature": rng.choice([0.0, 1.0]),
+                "seed": rng.randrange(2**32)}
+        response = await self.http.post(f"{self.url}/v1/completions", content=gzip.compress(json.dumps(body).encode()),
+                                        headers={"content-type": "application/json", "content-encoding": "gzip"})
+        if response.status_code == 429:
+            return "refused"
+        if response.status_code != 200:
+            return self._fail(f"evaluation: HTTP {response.status_code} {response.text[:200]}")
+        choices = response.json()["choices"]
+        self.admitted_sure += len(choices)  # each choice is a request of the server's
+        if sorted(c["index"] for c in choices) != list(range(len(prompts) * n)):
+            return self._fail(f"evaluation: choice indices {[c['index'] for c in choices]}")
+        for choice in choices:
+            logprobs = choice["logprobs"]
+            if (not choice["text"].startswith(prompts[choice["index"] // n]) or logprobs["token_logprobs"][0] is not None
+                    or any(v is None for v in logprobs["token_logprobs"][1:])):
+                return self._fail(f"evaluation: bad choice {str(choice)[:200]}")
+        return "completed"
+
     async def hostile(self, rng: random.Random) -> str:
         path, raw = rng.choice(HOSTILE)
         response = await self.http.post(f"{self.url}{path}", content=raw(self.model),
@@ -178,6 +204,8 @@ class Soak:
                 outcome = await self.plain(rng)
             elif action == "plain_leave":
                 outcome = await self.plain(rng, leave_after_s=rng.uniform(0.2, 1.0))
+            elif action == "evaluation":
+                outcome = await self.evaluation(rng)
             else:
                 outcome = await self.hostile(rng)
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:

@@ -119,6 +119,21 @@ def test_admission_counts_every_unfinished_request_once(tiny_llm):
     assert thread.num_unfinished == 0
 
 
+def test_a_requests_choices_are_admitted_all_or_none(tiny_llm):
+    """n choices that do not all fit are refused together: nothing is left running for a 429."""
+    thread = EngineThread(tiny_llm.engine, max_queue=MAX_QUEUE)
+    params = SamplingParams(max_tokens=4)
+    thread.submit([1, 2, 3], params, lambda delta: None)
+    room = MAX_BATCH + MAX_QUEUE - 1
+    with pytest.raises(QueueFullError):
+        thread.submit_all([([1, 2, 3], params, lambda delta: None)] * (room + 1))
+    assert thread.num_unfinished == 1  # none of them was queued
+    assert len(thread.submit_all([([1, 2, 3], params, lambda delta: None)] * room)) == room
+    thread.start()
+    thread.shutdown(drain=False, timeout=30)
+    assert thread.num_unfinished == 0
+
+
 def test_a_message_name_reaches_a_template_that_uses_it(tiny_llm):
     server = Server(tiny_llm, "tiny")
     body = parse_request(ChatCompletionRequest, {"model": "tiny", "messages": [

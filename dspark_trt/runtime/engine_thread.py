@@ -7,6 +7,7 @@ requests and applies cancellations between steps, so a request joins or leaves a
 
     submit(ids, params, on_delta) -> request id      (checks and queues; raises when full: at most
                                                       max_batch_size running + max_queue waiting)
+    submit_all([(ids, params, on_delta), ...])        (several at once, all or none: a request's choices)
     cancel(request id)                                (frees its KV memory at the next step)
     shutdown(drain=True)                              (refuse new work, finish what runs, stop)
 
@@ -120,25 +121,34 @@ class EngineThread:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_delta: Callable[[StreamDelta], None],
                request_id: str | None = None) -> str:
         """Check and queue a request; raise `InvalidRequestError`, `QueueFullError` or `ShuttingDownError`."""
-        self.engine.check_prompt(prompt_token_ids)
+        return self.submit_all([(prompt_token_ids, params, on_delta)], [request_id])[0]
+
+    def submit_all(self, jobs: list[tuple[list[int], SamplingParams, Callable[[StreamDelta], None]]],
+                   request_ids: list[str | None] | None = None) -> list[str]:
+        """Check and queue several requests (one HTTP request's choices): all of them, or none and
+        the error `submit` would raise."""
+        for prompt_token_ids, _, _ in jobs:
+            self.engine.check_prompt(prompt_token_ids)
+        request_ids = request_ids or [None] * len(jobs)
         with self._lock:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down and takes no new requests")
             # One count for the rule: every unfinished request, wherever it is now (inbox, queue or
             # batch). Counting the inbox as waiting *and* subtracting it from free slots refused
             # requests long before the queue was full.
-            if self.capacity is not None and self.num_unfinished >= self.capacity:
+            if self.capacity is not None and self.num_unfinished + len(jobs) > self.capacity:
                 raise QueueFullError(f"the server is full: {self.engine.pool.num_slots} requests running and "
                                      f"{self.max_queue} waiting (max_queue={self.max_queue})")
-            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
-            request = self.engine.new_request(prompt_token_ids, params, request_id)
-            stream = _Stream(request, on_delta)
-            self._streams[request_id] = stream
-            self._inbox.append(("add", stream))
+            chosen = [rid if rid is not None else f"req-{next(self._ids)}" for rid in request_ids]
+            for request_id in chosen:
+                if request_id in self._streams or chosen.count(request_id) > 1:
+                    raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+            for (prompt_token_ids, params, on_delta), request_id in zip(jobs, chosen):
+                stream = _Stream(self.engine.new_request(prompt_token_ids, params, request_id), on_delta)
+                self._streams[request_id] = stream
+                self._inbox.append(("add", stream))
             self._lock.notify()
-        return request_id
+        return chosen
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -281,21 +281,18 @@ class Server:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[tuple[int, StreamDelta]] = asyncio.Queue()  # (choice index, delta)
         arrival = time.perf_counter()
-        request_ids: dict[int, str] = {}
-        try:
-            for choice in prepared.choices:
-                if choice.params is None:  # nothing to run: answered as it stands
-                    deltas.put_nowait((choice.index, StreamDelta("", [], "", "length", {"completion_tokens": 0})))
-                    continue
-                request_ids[choice.index] = self.engine_thread.submit(
-                    choice.prompt_ids, choice.params,
-                    lambda d, index=choice.index: loop.call_soon_threadsafe(deltas.put_nowait, (index, d)))
-        except Exception as e:
-            for request_id in request_ids.values():  # all of a request's choices run, or none
-                self.engine_thread.cancel(request_id)
-            if isinstance(e, (InvalidRequestError, QueueFullError, ShuttingDownError)):
-                raise _submit_error(e) from None
-            raise
+        runnable = [choice for choice in prepared.choices if choice.params is not None]
+        for choice in prepared.choices:
+            if choice.params is None:  # nothing to run: answered as it stands
+                deltas.put_nowait((choice.index, StreamDelta("", [], "", "length", {"completion_tokens": 0})))
+        try:  # all of a request's choices are admitted, or none (a 429 leaves nothing running)
+            submitted = self.engine_thread.submit_all([
+                (choice.prompt_ids, choice.params,
+                 lambda d, index=choice.index: loop.call_soon_threadsafe(deltas.put_nowait, (index, d)))
+                for choice in runnable])
+        except (InvalidRequestError, QueueFullError, ShuttingDownError) as e:
+            raise _submit_error(e) from None
+        request_ids = {choice.index: request_id for choice, request_id in zip(runnable, submitted)}
         response_id = ("chatcmpl-" if prepared.chat else "cmpl-") + uuid.uuid4().hex[:24]
         timers = {choice.index: _LatencyTimer(self.metrics, arrival) for choice in prepared.choices}
         if prepared.body.stream:
