@@ -9,8 +9,9 @@ request after request: a streamed chat completion read to the end, a non-streame
 completion), a stream left after two chunks, a non-streamed request left after a fraction of a
 second, an evaluation tool's request (a gzip body, one or two prompts, `n` 1 or 2, `echo` with
 `logprobs`, `max_tokens` 0 to 8: every choice checked for its prompt and logprobs), or a hostile
-body (deep JSON, lone surrogates, loose types, a wrong route, a body over the size limit). Every `--burst-every` seconds a burst of max_batch_size + max_queue + 4 requests
-lands at once, over the queue limit. Once a second a monitor reads the server's /metrics (KV
+body (deep JSON, lone surrogates, loose types, a wrong route, a body over the size limit). Every
+`--burst-every` seconds a burst of max_batch_size + max_queue + 4 requests lands at once, over the
+queue limit. Once a second a monitor reads the server's /metrics (KV
 usage, running, waiting, finished requests by reason), its RSS and how long /health takes.
 
 Every request ends as exactly one of: completed, cancelled (its client left), refused (429),
