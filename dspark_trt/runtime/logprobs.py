@@ -29,6 +29,8 @@ import torch
 
 from dspark_trt.runtime.sampling import SamplingParams, target_logprobs
 
+ROWS_AT_A_TIME = 64  # rows whose [rows, vocab] logprobs exist at once (~12 MB at a 49k vocabulary)
+
 
 @dataclass
 class TokenLogprob:
@@ -42,14 +44,16 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], params: SamplingPar
     """One `TokenLogprob` per token; `rows` `[len(token_ids), vocab]` are the target logits that
     produced them (row i: the logits after the tokens before token i); `params` None: the model's
     own distribution (prompt tokens)."""
-    if not token_ids:
-        return []
-    rows = rows[: len(token_ids)].float()
-    logprobs = torch.log_softmax(rows, dim=-1) if params is None else target_logprobs(rows, params)  # [n, vocab]
-    chosen = logprobs.gather(-1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
-    if num_top:
-        values, ids = torch.topk(logprobs, num_top, dim=-1)  # [n, num_top], most likely first
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        tops = [[] for _ in token_ids]
-    return [TokenLogprob(token, value, top) for token, value, top in zip(token_ids, chosen, tops)]
+    entries = []
+    for start in range(0, len(token_ids), ROWS_AT_A_TIME):  # bounded temporaries for a long scored prompt
+        ids = token_ids[start : start + ROWS_AT_A_TIME]
+        chunk = rows[start : start + len(ids)].float()
+        logprobs = torch.log_softmax(chunk, dim=-1) if params is None else target_logprobs(chunk, params)  # [n, V]
+        chosen = logprobs.gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+        if num_top:
+            values, top_ids = torch.topk(logprobs, num_top, dim=-1)  # [n, num_top], most likely first
+            tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+        else:
+            tops = [[] for _ in ids]
+        entries += [TokenLogprob(token, value, top) for token, value, top in zip(ids, chosen, tops)]
+    return entries

@@ -33,9 +33,9 @@ from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 
 # A prompt whose tokens are scored (prompt_logprobs) needs a logit row per token: one step gives
-# scored prompt chunks this many rows in all, so their logits stay ~100 MB (512 x a 49k vocabulary,
-# fp32) however many such prompts run.
-PROMPT_LOGPROBS_ROWS = 512
+# scored prompt chunks this many rows in all, so their logits stay ~50 MB (256 x a 49k vocabulary,
+# fp32) however many such prompts run (the soak saw the server's RSS swing by ~100 MB at 512).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
