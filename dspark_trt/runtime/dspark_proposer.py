@@ -33,7 +33,7 @@ import torch
 from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex
 from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, top_probability_logit
 from dspark_trt.models.linear import one_row_at_a_time
-from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
+from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, reads_draft_probs, to_target_vocab
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.threads import torch_on_calling_thread
 
@@ -382,7 +382,7 @@ class DSparkProposer(Proposer):
         drafts = []
         for i, request in enumerate(requests):
             full_probs = None
-            if not request.params.greedy:  # verification compares them with the target's vocabulary
+            if reads_draft_probs(request):  # verification compares them with the target's vocabulary
                 full_probs = to_target_vocab(all_probs[i], drafter.draft_vocab, drafter.config.target_vocab_size)
             drafts.append(Draft(tokens[i].tolist(), full_probs, None if calibrated is None else calibrated[i]))
         return drafts

@@ -14,7 +14,7 @@ import torch
 
 from dspark_trt.models.eagle import EagleDrafter
 from dspark_trt.runtime.dspark_proposer import ContextCache
-from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, to_target_vocab
+from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, reads_draft_probs, to_target_vocab
 from dspark_trt.runtime.request import Request
 
 
@@ -86,6 +86,6 @@ class EagleProposer(Proposer):
                                           torch.cat([context_v, chain_v], 2), None)
             chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)
         full_probs = None
-        if distributions:
+        if distributions and reads_draft_probs(request):
             full_probs = to_target_vocab(torch.stack(distributions), drafter.draft_vocab, drafter.config.target_vocab_size)
         return Draft(tokens, full_probs)

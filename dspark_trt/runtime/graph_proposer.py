@@ -29,7 +29,7 @@ import torch
 
 from dspark_trt.builder.export_drafter import OUTPUT_NAMES, input_names
 from dspark_trt.errors import DsparkError
-from dspark_trt.runtime.proposer import Draft, Proposer, to_target_vocab
+from dspark_trt.runtime.proposer import Draft, Proposer, reads_draft_probs, to_target_vocab
 from dspark_trt.runtime.request import Request
 
 
@@ -134,7 +134,7 @@ class GraphProposer(Proposer):
         drafts = []
         for i, request in enumerate(requests):
             probs = None
-            if not request.params.greedy and request.noise is None:  # the rejection rule reads q
+            if reads_draft_probs(request):
                 probs = to_target_vocab(outputs["distributions"][i], self.draft_vocab, self.config.target_vocab_size)
             confidences = outputs["confidences"][i] if self.has_confidence else None
             drafts.append(Draft(outputs["draft_tokens"][i].tolist(), probs, confidences))

@@ -93,6 +93,13 @@ def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int,
     return choice, probs
 
 
+def reads_draft_probs(request: Request) -> bool:
+    """Whether verification reads a draft's distributions q for `request`: only the rejection rule
+    does (a sampled request without a seed); greedy and seeded requests compare tokens, so their
+    drafts carry none (`Draft.probs` None) and nothing is spent building them."""
+    return not request.params.greedy and request.noise is None
+
+
 def to_target_vocab(draft_probs: torch.Tensor, draft_vocab: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
     """Draft-vocabulary distributions `[l, V_d]` -> `[l, vocab]`, zero outside the draft vocabulary
     (verification compares them with the target's, so they must live in its vocabulary)."""

@@ -50,6 +50,7 @@ from dspark_trt.errors import DsparkError, InvalidRequestError
 from dspark_trt.runtime.engine_thread import EngineThread, QueueFullError, ShuttingDownError, StreamDelta
 from dspark_trt.runtime.llm import LLM
 from dspark_trt.runtime.logprobs import TokenLogprob
+from dspark_trt.runtime.request import RequestStats
 from dspark_trt.runtime.sampling import SamplingParams, mixed_seed
 from dspark_trt.serving.content_encoding import BodyTooLargeError, UnsupportedEncodingError, decode_content
 from dspark_trt.serving.metrics import ServerMetrics
@@ -474,11 +475,11 @@ def _submit_error(error: Exception) -> HTTPError:
 
 
 def merged_metrics(metrics: list[dict | None]) -> dict:
-    """Several choices' speculation counts as one request's."""
-    total = {key: sum((m or {}).get(key, 0) for m in metrics)
-             for key in ("num_steps", "num_draft_tokens", "num_accepted_tokens")}
-    total["accept_length"] = 1.0 + total["num_accepted_tokens"] / total["num_steps"] if total["num_steps"] else 1.0
-    return total
+    """Several choices' speculation counts as one request's (tau as `RequestStats` defines it)."""
+    stats = RequestStats(**{key: sum((m or {}).get(key, 0) for m in metrics)
+                            for key in ("num_steps", "num_draft_tokens", "num_accepted_tokens")})
+    return {"num_steps": stats.num_steps, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens, "accept_length": stats.accept_length}
 
 
 def request_body_schema(model) -> dict:
