@@ -150,21 +150,18 @@ def stand_in_tensorrt(monkeypatch):
             return function
         return decorate
 
-    def impl(plugin_id):
-        def decorate(function):
-            check_impl(function, *registered[plugin_id])
-            registered[plugin_id + "/impl"] = True
-            return function
-        return decorate
+    def implementation(check, key: str):
+        """`impl` / `aot_impl`: check the function against its registration, keep it under `id/key`."""
+        def decorator(plugin_id):
+            def decorate(function):
+                check(function, *registered[plugin_id])
+                registered[f"{plugin_id}/{key}"] = function
+                return function
+            return decorate
+        return decorator
 
-    def aot_impl(plugin_id):
-        def decorate(function):
-            check_aot_impl(function, *registered[plugin_id])
-            registered[plugin_id + "/aot"] = function
-            return function
-        return decorate
-
-    plugin.register, plugin.impl, plugin.aot_impl = register, impl, aot_impl
+    plugin.register, plugin.impl, plugin.aot_impl = register, implementation(check_impl, "impl"), \
+        implementation(check_aot_impl, "aot")
     plugin.KernelLaunchParams, plugin.SymExprs, plugin.SymIntExprs, plugin.SymInt32 = (
         KernelLaunchParams, SymExprs, SymIntExprs, SymInt32)
     tensorrt = types.ModuleType("tensorrt")
