@@ -25,7 +25,9 @@ import dspark_trt  # noqa: F401  (first: it sets the CPU threading policy before
 import torch
 
 from dspark_trt import LLM, SamplingParams
+from dspark_trt.kernels import cpu_kernels
 from dspark_trt.models.loading import load_target
+from dspark_trt.runtime.device import cpu_device_name
 from dspark_trt.training.prompts import load_prompts
 
 DATASETS = ("mt-bench", "humaneval", "gsm8k")
@@ -46,6 +48,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+# What `--dtype bfloat16` computes, by the kernel build that ran it (DSPARK_TRT_KERNEL_ISA picks one).
+WHAT = {"amx": "bfloat16 on the AMX build = bf16 weight matrices, each matmul's input rounded to bf16, fp32 "
+               "accumulation, norms, attention and residual stream; against float32",
+        None: "bfloat16 = bf16 weight matrices, fp32 activations, against float32"}
 
 
 def main() -> int:
@@ -91,7 +99,8 @@ def main() -> int:
     report = {"command": "python benchmarks/dtype_accuracy.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "target": reference.target.name, "max_tokens": args.max_tokens,
-              "what": "bfloat16 = bf16 weight matrices, fp32 activations, against float32", "datasets": results}
+              "what": WHAT.get(cpu_kernels.isa(), WHAT[None]), "kernel_isa": cpu_kernels.isa(),
+              "cpu": cpu_device_name(), "datasets": results}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")

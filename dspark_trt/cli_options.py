@@ -13,9 +13,10 @@ DEFAULT_DTYPE = "auto"
 def dtype_option(command):
     """`--dtype`: the weights of the target and the drafter (`models/linear.py`)."""
     return click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default=DEFAULT_DTYPE, show_default=True,
-                        help="Weights of the target and drafter: bfloat16 (bf16 weight matrices, fp32 activations; "
-                             "faster, and batch invariant where our CPU kernels run: AVX-512 or AVX2+FMA), float32 "
-                             "(the exact reference), or auto (bfloat16 where our CPU kernels run, else float32).")(command)
+                        help="Weights of the target and drafter: bfloat16 (bf16 weight matrices, fp32 activations, "
+                             "and each matmul's input rounded to bf16 where the CPU has AMX; faster, and batch "
+                             "invariant where our CPU kernels run: AMX, AVX-512 or AVX2+FMA), float32 (the exact "
+                             "reference), or auto (bfloat16 where our CPU kernels run, else float32).")(command)
 
 
 def features_dtype_option(command):

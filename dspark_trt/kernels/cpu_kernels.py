@@ -54,6 +54,7 @@ from dspark_trt.kernels.build_cache import CompileError, built
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 GROUP_COLUMNS = 64  # the matmul kernel's column group (cpu_kernels.c)
+AMX_K = 32  # the AMX build pads K to whole tile rows of 32 bf16 (cpu_kernels.c)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,11 @@ class Isa:
     compile_flags: tuple[str, ...]
 
 
-# Best first. avx512: F (the FMAs) and BW (the 16-bit shuffles that widen bf16 weights).
+# Best first. amx: the AVX-512 build with its matmuls on AMX tiles (bf16 matmul inputs: see the C
+# source); avx512: F (the FMAs) and BW (the 16-bit shuffles that widen bf16 weights).
 ISAS = {
+    "amx": Isa(("amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw"),
+               ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
     "avx512": Isa(("avx512f", "avx512bw"), ("-mavx512f", "-mavx512bw")),
     "avx2": Isa(("avx2", "fma"), ("-mavx2", "-mfma")),
 }
@@ -78,6 +82,7 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _unavailable_reason: str | None = None
 _isa: str | None = None
+_layout: str | None = None  # how PackedWeight lays out weights for the loaded build
 
 
 def _cpu_flags() -> set[str]:
@@ -97,7 +102,10 @@ def choose_isa(wanted: str | None = None, cpu_flags: set[str] | None = None) -> 
         present = supported_isas(flags)
         if present:
             return present[0], None
-        return None, "this CPU has neither " + " nor ".join(" and ".join(isa.cpu_flags) for isa in ISAS.values())
+        # an ISA that needs another's flags and more (amx over avx512) adds nothing to the reason
+        least = [isa for isa in ISAS.values()
+                 if not any(set(other.cpu_flags) < set(isa.cpu_flags) for other in ISAS.values())]
+        return None, "this CPU has neither " + " nor ".join(" and ".join(isa.cpu_flags) for isa in least)
     if wanted not in ISAS:
         return None, f"{ISA_VARIABLE}={wanted!r} is none of auto, {', '.join(ISAS)}"
     missing = [flag for flag in ISAS[wanted].cpu_flags if flag not in flags]
@@ -150,8 +158,37 @@ class _DecoderCall(ctypes.Structure):  # decoder_call
                 ("logit_rows", _pointer), ("num_logits", ctypes.c_long), ("logits", _pointer)]
 
 
+def _open(compiler: str, isa: str) -> ctypes.CDLL:
+    """The `isa` build, loaded, its entry points typed and its thread pool started (RuntimeError
+    or OSError when it does not build, load or start here)."""
+    library = ctypes.CDLL(str(_compile(compiler, isa)))
+    library.dspark_kernel_isa.restype = ctypes.c_char_p
+    built = library.dspark_kernel_isa().decode()
+    if built != isa:
+        raise RuntimeError(f"asked for {isa}, the source built {built}")
+    if library.dspark_kernel_init() != 0:  # AMX: Linux must grant the tile state (kernels >= 5.16)
+        raise RuntimeError(f"the {isa} build cannot start here (Linux refused the AMX tile state)")
+    void, long_ = ctypes.c_void_p, ctypes.c_long
+    library.dspark_bf16_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
+    library.dspark_bf16_gemm.restype = None
+    library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
+                                         void, void, ctypes.c_float, void, long_]
+    library.dspark_attention.restype = ctypes.c_int
+    library.dspark_decoder_forward.argtypes = [ctypes.POINTER(_DecoderModel), void, ctypes.POINTER(_DecoderCall)]
+    library.dspark_decoder_forward.restype = ctypes.c_int
+    library.dspark_drafter_context.argtypes = [ctypes.POINTER(_ContextModel), void, long_, void, void,
+                                               void, void, void, void, long_, long_, long_]
+    library.dspark_drafter_context.restype = ctypes.c_int
+    library.dspark_argmax.argtypes = [void, long_, long_, long_, void]
+    library.dspark_argmax.restype = None
+    library.dspark_start_threads.argtypes = [ctypes.c_int]
+    library.dspark_start_threads.restype = ctypes.c_int
+    library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
+    return library
+
+
 def _load() -> ctypes.CDLL | None:
-    global _library, _unavailable_reason, _isa
+    global _library, _unavailable_reason, _isa, _layout
     if _library is not None or _unavailable_reason is not None:  # decided: no lock on the hot path
         return _library
     with _lock:
@@ -167,33 +204,21 @@ def _load() -> ctypes.CDLL | None:
         elif (compiler := shutil.which(os.environ.get("CC", "gcc"))) is None:
             _unavailable_reason = "no C compiler (gcc) to build it"
         else:
-            try:
-                library = ctypes.CDLL(str(_compile(compiler, isa)))
-                library.dspark_kernel_isa.restype = ctypes.c_char_p
-                built = library.dspark_kernel_isa().decode()
-                if built != isa:
-                    raise RuntimeError(f"asked for {isa}, the source built {built}")
-            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-                _unavailable_reason = f"it did not build for {isa}: {exc}"
+            # `auto` falls back to the next build the CPU runs when one cannot build or start here
+            # (an older gcc without AMX, a kernel that withholds the tile state); a forced one does not.
+            forced = os.environ.get(ISA_VARIABLE, "auto").strip().lower() not in ("", "auto")
+            candidates = [isa] if forced else supported_isas()
+            failures = []
+            for candidate in candidates:
+                try:
+                    _library, _isa = _open(compiler, candidate), candidate
+                    break
+                except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                    failures.append(f"it did not build for {candidate}: {exc}")
+            if _library is None:
+                _unavailable_reason = "; ".join(failures)
             else:
-                void, long_ = ctypes.c_void_p, ctypes.c_long
-                library.dspark_bf16_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
-                library.dspark_bf16_gemm.restype = None
-                library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
-                                                     void, void, ctypes.c_float, void, long_]
-                library.dspark_attention.restype = ctypes.c_int
-                library.dspark_decoder_forward.argtypes = [ctypes.POINTER(_DecoderModel), void,
-                                                           ctypes.POINTER(_DecoderCall)]
-                library.dspark_decoder_forward.restype = ctypes.c_int
-                library.dspark_drafter_context.argtypes = [ctypes.POINTER(_ContextModel), void, long_, void, void,
-                                                           void, void, void, void, long_, long_, long_]
-                library.dspark_drafter_context.restype = ctypes.c_int
-                library.dspark_argmax.argtypes = [void, long_, long_, long_, void]
-                library.dspark_argmax.restype = None
-                library.dspark_start_threads.argtypes = [ctypes.c_int]
-                library.dspark_start_threads.restype = ctypes.c_int
-                library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
-                _library, _isa = library, isa
+                _layout = "pairs" if _library.dspark_weight_layout() == 1 else "widened"
         return _library
 
 
@@ -209,7 +234,7 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str | None:
-    """The instruction set the loaded kernels were built for (`avx512`, `avx2`), None when they
+    """The instruction set the loaded kernels were built for (`amx`, `avx512`, `avx2`), None when they
     are not available (compiles them on first call)."""
     _load()
     return _isa
@@ -227,25 +252,48 @@ UNWIDEN_ORDER = torch.argsort(WIDEN_ORDER)
 
 
 class PackedWeight:
-    """A weight `[in, out]` rounded to bf16 in the kernel's layout `[ceil(out / 64), in, 64]`
-    (each 32 columns in `WIDEN_ORDER`)."""
+    """A weight `[in, out]` rounded to bf16 in the loaded build's layout (needs `available()`):
+    the FMA builds' `[ceil(out / 64), in, 64]` (each 32 columns in `WIDEN_ORDER`), or the AMX
+    build's `[ceil(out / 64), in' / 2, 64, 2]` (k-pairs, in' = in rounded up to 32, zeros past it)."""
 
     def __init__(self, weight_t: torch.Tensor):
+        _load()
         in_features, out_features = weight_t.shape
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.layout = in_features, out_features, _layout
         groups = -(-out_features // GROUP_COLUMNS)
-        padded = torch.zeros(in_features, groups * GROUP_COLUMNS, dtype=torch.bfloat16)
-        padded[:, :out_features] = weight_t.detach().to(torch.bfloat16)
-        blocks = padded.view(in_features, groups, GROUP_COLUMNS // 32, 32)[..., WIDEN_ORDER]
-        self.data = blocks.reshape(in_features, groups, GROUP_COLUMNS).transpose(0, 1).contiguous()
+        rows = -(-in_features // AMX_K) * AMX_K if self.layout == "pairs" else in_features
+        padded = torch.zeros(rows, groups * GROUP_COLUMNS, dtype=torch.bfloat16)
+        padded[:in_features, :out_features] = weight_t.detach().to(torch.bfloat16)
+        if self.layout == "pairs":  # [in', G * 64] -> [G, in' / 2, 64, 2]
+            self.data = padded.view(rows // 2, 2, groups, GROUP_COLUMNS).permute(2, 0, 3, 1).contiguous()
+        else:
+            blocks = padded.view(in_features, groups, GROUP_COLUMNS // 32, 32)[..., WIDEN_ORDER]
+            self.data = blocks.reshape(in_features, groups, GROUP_COLUMNS).transpose(0, 1).contiguous()
 
     def unpack(self) -> torch.Tensor:
         """The bf16 weight `[in, out]` this holds (for readers that need it dense)."""
+        if self.layout == "pairs":
+            groups, pairs = self.data.shape[:2]
+            dense = self.data.permute(1, 3, 0, 2).reshape(2 * pairs, groups * GROUP_COLUMNS)
+            return dense[: self.in_features, : self.out_features]
         blocks = self.data.transpose(0, 1).reshape(self.in_features, -1, GROUP_COLUMNS // 32, 32)[..., UNWIDEN_ORDER]
         return blocks.reshape(self.in_features, -1)[:, : self.out_features]
 
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def rounds_matmul_inputs() -> bool:
+    """Whether the loaded build rounds each matmul's input to bf16 (the AMX build) rather than
+    multiplying the fp32 activations (the FMA builds)."""
+    _load()
+    return _layout == "pairs"
+
+
+def matmul_inputs(x: torch.Tensor) -> torch.Tensor:
+    """What the loaded build's matmuls multiply the weights by: `x`, or `x` rounded to bf16 (AMX).
+    A reference for our matmuls starts from this."""
+    return x.bfloat16().to(x.dtype) if rounds_matmul_inputs() else x
 
 
 def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

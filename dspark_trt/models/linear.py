@@ -67,9 +67,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # `--dtype bfloat16` means: every weight matrix is rounded to bf16 once, everything else
 # (activations, norms, attention, softmax, the KV cache) stays fp32. On CPU the products run
 # through our packed kernel (`kernels/cpu_kernels.py`), which streams each weight once per call
-# whatever the row count and is batch invariant by construction; without it (neither AVX-512 nor AVX2+FMA, no
-# compiler, a GPU tensor) through torch in bf16 (oneDNN on CPU), which also rounds the activations
-# to bf16 at each matmul and, like any BLAS, is not batch invariant (row by row it is).
+# whatever the row count and is batch invariant by construction. Its AMX build (Intel Sapphire
+# Rapids and later) also rounds each matmul's input to bf16, as AMX tiles need (fp32 accumulation;
+# the rest stays fp32); its AVX-512 and AVX2 builds multiply the fp32 activations. Without the
+# kernel (no AVX2+FMA, no compiler, a GPU tensor) the products run through torch in bf16 (oneDNN on
+# CPU), which also rounds the activations to bf16 at each matmul and, like any BLAS, is not batch
+# invariant (row by row it is).
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")

@@ -66,8 +66,9 @@ class LLM:
         temperature 0 whatever else runs; same samples per seed with a per-request policy).
         Row-by-row matmuls (and, on a GPU, norms) make it several times slower: for tests and
         reproducibility.
-        `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations: faster on CPU
-        and, where our CPU kernels run (AVX-512 or AVX2+FMA), batch invariant by construction), or `auto` (bfloat16
+        `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations, each matmul's input
+        rounded to bf16 on AMX: faster on CPU and, where our CPU kernels run (AMX, AVX-512 or
+        AVX2+FMA), batch invariant by construction), or `auto` (bfloat16
         where those kernels run, else float32; see `models/linear.py`). The drafter uses the same.
         With `engine_dir`, `auto` is the dtype the directory was built and profiled in.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
