@@ -118,6 +118,28 @@ def test_argmax_kernel_returns_what_torch_argmax_returns():
         assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
 
 
+@needs_kernel
+def test_top_probability_kernel_matches_the_definition():
+    """The C pass the proposer runs gives `top_probability_logit` within fp32 rounding: ties (the
+    other maxima count), p_top within 1e-6 of 1 (the cap), NaN rows, strided slot views, tails."""
+    from dspark_trt.models.drafter import TOP_PROBABILITY_LOGIT_CAP, top_probability_logit
+
+    generator = torch.Generator().manual_seed(0)
+    block = torch.randn(3, 7, 8192, generator=generator) * 3
+    block[0, 2, 11] += 30.0  # p_top ~1: capped
+    block[1, 4, 5] += 9.0
+    ties = torch.randint(0, 3, (6, 1001), generator=generator).float()
+    cases = [block, block[:, 3], torch.randn(4, 17, generator=generator), torch.zeros(2, 16), ties]
+    for logits in cases:
+        got = cpu_kernels.top_probability_logit(logits, TOP_PROBABILITY_LOGIT_CAP)
+        torch.testing.assert_close(got, top_probability_logit(logits), rtol=1e-5, atol=2e-6)
+    assert got.shape == ties.shape[:-1]
+    with_nan = torch.randn(2, 40, generator=generator)
+    with_nan[1, 9] = float("nan")
+    got = cpu_kernels.top_probability_logit(with_nan, TOP_PROBABILITY_LOGIT_CAP)
+    assert torch.isfinite(got[0]) and torch.isnan(got[1])
+
+
 @needs_kernel  # compares the fallback with the kernel path
 def test_without_the_kernel_bf16_falls_back_to_torch_and_auto_to_float32(tiny_llama):
     """DSPARK_TRT_BF16_KERNEL=off (or no avx512_bf16 / compiler): bfloat16 runs through torch
@@ -178,6 +200,7 @@ logits = torch.randn(5, 4099, generator=generator)
 logits[1, 7] = float("nan")
 logits[3, 100:200] = 5.0
 results["argmax"] = cpu_kernels.argmax(logits)
+results["top probability logit"] = cpu_kernels.top_probability_logit(logits, 13.8)
 for name, folder in folders.items():
     model = load_target(folder, torch.bfloat16).model
     assert model._runs_cpu_kernels()  # one C pass per step
@@ -228,6 +251,7 @@ def test_each_isa_build_computes_the_fp32_reference(isa_outputs, isa):
     weights: within fp32 rounding everywhere, the same argmax as torch. The AMX build's matmuls
     multiply inputs rounded to bf16: its matmuls are checked against that (within fp32 rounding),
     its whole decoder passes against the fp32 model within bf16's precision."""
+    from dspark_trt.models.drafter import top_probability_logit
     from dspark_trt.models.target import grouped_attention
 
     got = isa_outputs(isa)
@@ -259,6 +283,10 @@ def test_each_isa_build_computes_the_fp32_reference(isa_outputs, isa):
     logits[1, 7] = float("nan")
     logits[3, 100:200] = 5.0
     assert torch.equal(got["argmax"], logits.argmax(-1))
+    top = got["top probability logit"]
+    assert torch.isnan(top[1]) and not torch.isnan(top[[0, 2, 3, 4]]).any()
+    torch.testing.assert_close(top[[0, 2, 3, 4]], top_probability_logit(logits[[0, 2, 3, 4]]).clamp(max=13.8),
+                               rtol=1e-5, atol=2e-6)
     for name, folder in isa_outputs.folders.items():
         model = load_target(folder, torch.bfloat16).model.float()  # the same rounded weights, PyTorch fp32 ops
         assert not model._runs_cpu_kernels()
@@ -286,8 +314,8 @@ def test_the_avx2_and_avx512_builds_give_bit_identical_results(isa_outputs):
         if name.startswith("decoder") and not name.endswith("keys"):
             for (logits, features), (logits2, features2) in zip(avx512[name], avx2[name]):
                 assert torch.equal(logits, logits2) and torch.equal(features, features2), name
-        else:
-            assert torch.equal(avx512[name], avx2[name]), name
+        else:  # NaN where the input had one (the top-probability logit's NaN row) counts as equal
+            torch.testing.assert_close(avx512[name], avx2[name], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def test_the_kernel_isa_is_the_best_the_cpu_has_or_the_one_asked_for():

@@ -82,6 +82,14 @@ def test_block_copy_bias_adds_the_fitted_weights_to_each_requests_row():
     # First: 5 and (4, 5) were both followed by 4. Second: 7 was last followed by 7, the draft token
     # itself (a pair made inside the block), and (7, 7) is new.
     assert logits.tolist() == [[2.0 + 20.0, 0, 0, 0, 0, 0], [0, 0, 2.0, 0, 0, 0]]
+    block = torch.zeros(2, 3, 6)  # the proposer's slot view [N, V] of its block's logits: strided
+    copy.found.pop()
+    copy.add_to(block[:, 1], 1)
+    assert block[:, 1].tolist() == logits.tolist() and not block[:, [0, 2]].any()
+    copy.found.pop()
+    doubled = torch.zeros(2, 6, dtype=torch.float64)
+    copy.add_to(doubled, 1)  # other dtypes take index_put_
+    assert doubled.tolist() == logits.tolist()
 
 
 def test_config_refuses_a_copy_bias_or_confidence_offsets_of_the_wrong_shape_or_kind():

@@ -1076,41 +1076,66 @@ int dspark_decoder_forward(const decoder_model *m, float *x, const decoder_call 
  * 49k vocabulary here (measured), paid on every greedy verification. */
 typedef struct { const float *x; long n, ld; long *out; } argmax_args;
 
+/* The index of the first maximum of row[0 .. n), NaN counting as the maximum. */
+static long row_argmax(const float *row, long n) {
+    vf best = vf_set1(-INFINITY);
+    vi best_index = vi_zero(), index = vi_iota();
+    vcmp nan = vcmp_none();
+    for (long i = 0; i < n; i += 16) {
+        vf v = vf_load_mask_or(row + i, tail_mask(n - i), vf_set1(-INFINITY));
+        nan = vcmp_or(nan, vf_unordered(v, v));
+        vcmp greater = vf_greater(v, best);  /* strict: a lane keeps its first */
+        best = vf_select(greater, best, v);
+        best_index = vi_select(greater, best_index, index);
+        index = vi_add(index, vi_set1(16));
+    }
+    long found = 0;
+    if (vcmp_bits(nan)) {
+        while (row[found] == row[found]) found++;  /* the first NaN */
+        return found;
+    }
+    float top = vf_reduce_max(best);
+    unsigned ties = vcmp_bits(vf_equal(best, vf_set1(top)));
+    found = n;
+    int lanes[16];
+    vi_storeu(lanes, best_index);
+    for (int lane = 0; lane < 16; lane++)  /* the smallest index among the lanes holding the max
+                                             * (at least one does; all -inf rows give lane 0's 0) */
+        if (((ties >> lane) & 1) && lanes[lane] < found) found = lanes[lane];
+    return found;
+}
+
 static void argmax_range(const void *ctx, long first, long last) {
     const argmax_args *a = (const argmax_args *)ctx;
-    for (long r = first; r < last; r++) {
-        const float *row = a->x + r * a->ld;
-        vf best = vf_set1(-INFINITY);
-        vi best_index = vi_zero(), index = vi_iota();
-        vcmp nan = vcmp_none();
-        for (long i = 0; i < a->n; i += 16) {
-            vf v = vf_load_mask_or(row + i, tail_mask(a->n - i), vf_set1(-INFINITY));
-            nan = vcmp_or(nan, vf_unordered(v, v));
-            vcmp greater = vf_greater(v, best);  /* strict: a lane keeps its first */
-            best = vf_select(greater, best, v);
-            best_index = vi_select(greater, best_index, index);
-            index = vi_add(index, vi_set1(16));
-        }
-        long found = 0;
-        if (vcmp_bits(nan)) {
-            while (row[found] == row[found]) found++;  /* the first NaN */
-        } else {
-            float top = vf_reduce_max(best);
-            unsigned ties = vcmp_bits(vf_equal(best, vf_set1(top)));
-            found = a->n;
-            int lanes[16];
-            vi_storeu(lanes, best_index);
-            for (int lane = 0; lane < 16; lane++)  /* the smallest index among the lanes holding the max
-                                                     * (at least one does; all -inf rows give lane 0's 0) */
-                if (((ties >> lane) & 1) && lanes[lane] < found) found = lanes[lane];
-        }
-        a->out[r] = found;
-    }
+    for (long r = first; r < last; r++) a->out[r] = row_argmax(a->x + r * a->ld, a->n);
 }
 
 void dspark_argmax(const float *x, long rows, long n, long ld, long *out) {
     argmax_args args = {x, n, ld, out};
     parallel_for(argmax_range, &args, rows, 4);
+}
+
+/* ---- logit of the top probability -----------------------------------------------------------
+ * out[r] = logit(max softmax(x[r])) = -log(sum over i != top of e^(x_i - x_top)), at most `cap`:
+ * what `models/drafter.py: top_probability_logit` defines (the top term left out rather than
+ * subtracted, so a p_top within 1e-6 of 1 keeps its precision). One pass per row on the calling
+ * thread (a block's 7-56 rows of 8k draft logits: PyTorch's exp alone took ~0.1 ms here). A row
+ * holding NaN gives NaN, as the definition does. */
+void dspark_top_probability_logit(const float *x, long rows, long n, long ld, float cap, float *out) {
+    for (long r = 0; r < rows; r++) {
+        const float *row = x + r * ld;
+        long top_index = row_argmax(row, n);
+        float top = row[top_index];
+        if (top != top) { out[r] = top; continue; }
+        vf shift = vf_set1(top), total = vf_zero();
+        for (long i = 0; i < n; i += 16) {
+            vmask m = tail_mask(n - i);
+            if (top_index >= i && top_index < i + 16) m &= (vmask)~(1u << (top_index - i));
+            total = vf_add(total, vf_keep(m, vf_exp(vf_sub(vf_load_mask(row + i, m), shift))));
+        }
+        float logit = -logf(vf_reduce_add(total));
+        out[r] = logit < cap ? logit : cap;
+    }
 }
 
 /* ---- a drafter's context: target features -> its keys/values ---------------------------------

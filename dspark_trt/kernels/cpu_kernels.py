@@ -1,6 +1,6 @@
 """Our CPU kernels (`cpu_kernels.c`): fp32 rows times bf16 weights packed once, attention, a
-whole decoder pass in one call (`FusedDecoder`), a DSpark drafter's context step (`FusedContext`)
-and argmax.
+whole decoder pass in one call (`FusedDecoder`), a DSpark drafter's context step (`FusedContext`),
+argmax and the logit of a distribution's top probability.
 
 What it owns: choosing the instruction set the kernels are built for (`isa()`: the best this CPU
 has, from /proc/cpuinfo), compiling the C kernels for it with the system's `gcc` (once per kernel
@@ -181,6 +181,8 @@ def _open(compiler: str, isa: str) -> ctypes.CDLL:
     library.dspark_drafter_context.restype = ctypes.c_int
     library.dspark_argmax.argtypes = [void, long_, long_, long_, void]
     library.dspark_argmax.restype = None
+    library.dspark_top_probability_logit.argtypes = [void, long_, long_, long_, ctypes.c_float, void]
+    library.dspark_top_probability_logit.restype = None
     library.dspark_start_threads.argtypes = [ctypes.c_int]
     library.dspark_start_threads.restype = ctypes.c_int
     library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
@@ -345,6 +347,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if rows and n:
         _library.dspark_argmax(x.data_ptr(), rows, n, x.stride(0), out.data_ptr())
     return out
+
+
+def top_probability_logit(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """`x [..., n]` logits -> logit(max softmax) `[...]` fp32, at most `cap`: what
+    `models/drafter.py: top_probability_logit` defines, in one pass on the calling thread. Needs
+    `available()`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(1) != 1:
+        rows = rows.float().contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32)
+    if rows.shape[0] and rows.shape[1]:
+        _library.dspark_top_probability_logit(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
+                                              cap, out.data_ptr())
+    return out.view(x.shape[:-1])
 
 
 def _require_fp32_contiguous(**tensors: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+import numpy
 import torch
 
 NO_CANDIDATE = -1
@@ -151,7 +152,16 @@ class BlockCopyBias:
                     weights.append(self.alpha[k][n])
                 found.append(column if column < self.vocab_size else NO_CANDIDATE)
         self.found.append(found)
-        if rows:
+        if not rows:
+            return
+        if logits.is_cpu and logits.dtype == torch.float32:
+            # A few scalars per request: numpy adds them in place for ~1 us where three small tensors
+            # and an index_put_ cost ~11 us, seven times a block. Each weight rounded to fp32 first, so
+            # every add is the fp32 add index_put_ makes, in the same order.
+            values = logits.numpy()
+            for row, column, weight in zip(rows, columns, weights):
+                values[row, column] += numpy.float32(weight)
+        else:
             logits.index_put_((torch.tensor(rows), torch.tensor(columns)),
                               torch.tensor(weights, dtype=logits.dtype), accumulate=True)
 

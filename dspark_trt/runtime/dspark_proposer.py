@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from dspark_trt.kernels import cpu_kernels
 from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex
-from dspark_trt.models.drafter import DSparkDrafter, MarkovHead, top_probability_logit
+from dspark_trt.models.drafter import TOP_PROBABILITY_LOGIT_CAP, DSparkDrafter, MarkovHead, top_probability_logit
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, reads_draft_probs, to_target_vocab
 from dspark_trt.runtime.request import Request
@@ -195,6 +196,14 @@ class DSparkProposer(Proposer):
                 self.markov_rows = MarkovRows(self.drafter)
             return self.markov_rows(previous), None
         return self.drafter.sequential_bias(hidden, previous, state)
+
+    @staticmethod
+    def _top_probability_logit(logits: torch.Tensor) -> torch.Tensor:
+        """`top_probability_logit` of logits `[N, gamma, V_d]` -> `[N, gamma]`: one C pass where our
+        kernels run (PyTorch's ~8 ops over a block's logits took ~0.15 ms here), tested against it."""
+        if logits.is_cpu and cpu_kernels.available():
+            return cpu_kernels.top_probability_logit(logits, TOP_PROBABILITY_LOGIT_CAP)
+        return top_probability_logit(logits)
 
     def observe(self, request: Request, features: torch.Tensor) -> None:
         """Queue the target features `[num_kept, m * d]` of the positions the last step kept for `request`."""
@@ -372,7 +381,7 @@ class DSparkProposer(Proposer):
         if confidence is not None:  # what calibration learned the head cannot see (all known before x_k)
             # backbone_logits now holds each slot's final logits (every bias was added in place), so
             # p_k's top probability is read once for the whole block: one reduction, not gamma
-            top = top_probability_logit(backbone_logits) if drafter.config.confidence_top_prob else None  # [N, gamma]
+            top = self._top_probability_logit(backbone_logits) if drafter.config.confidence_top_prob else None
             confidence = drafter.confidence_offsets(confidence, top, copy_bias.candidates() if copy_bias else None)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
         tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
