@@ -182,6 +182,31 @@ def summarize(label: str, concurrency: int, temperature: float, records: list[Re
             "e2e_ms": _ms(percentiles([r.end - r.start for r in ok]))}
 
 
+def measure_run(base: str, model: str, label: str, prompts, concurrency: int, temperature: float, max_tokens: int,
+                request_rate: float | None, seed: int, headers: dict) -> dict:
+    """One policy's run at one point: the load, and the server's scheduler/step seconds around it."""
+    names = ("dspark:scheduler_seconds_total", "dspark:step_seconds_total")
+    before = scrape(base, names)
+    records, wall = asyncio.run(run_load(base, model, prompts, concurrency, temperature, max_tokens, request_rate,
+                                         seed, headers))
+    after = scrape(base, names)
+    return summarize(label, concurrency, temperature, records, wall, *(after[n] - before[n] for n in names))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One point's rounds -> the round with the median per-user speed (its latencies and tau), with
+    the median total speed, every round's two speeds, and the failures of all rounds (none hidden)."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda r: r["per_user_tok_s"] or 0.0)
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["total_tok_s"] = statistics.median(r["total_tok_s"] for r in runs)
+    median["num_failed"] = sum(r["num_failed"] for r in runs)
+    median["rounds"] = [{"per_user_tok_s": r["per_user_tok_s"], "total_tok_s": r["total_tok_s"],
+                         "accept_length": r["accept_length"]} for r in runs]
+    return median
+
+
 def _ms(stats: dict) -> dict:
     return {k: (v * 1000 if v is not None else None) for k, v in stats.items()}
 
@@ -245,16 +270,17 @@ def served_dtype(dtype: str) -> str:
 def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: list[float], num_requests: int | None,
               max_tokens: int, request_rate: float | None, target: str, url: str | None, api_key: str | None,
               profile: Path | None, output: Path, seed: int = 0, max_model_len: int = 1024, echo=print,
-              dtype: str = "auto") -> dict:
+              dtype: str = "auto", rounds: int = 1) -> dict:
     """All policies' servers run at once, and each (temperature, concurrency) point is measured for
-    every policy back to back: whatever else loads the machine then loads every policy alike."""
+    every policy back to back, `rounds` times in alternating order (A B B A ...): whatever else
+    loads the machine then loads every policy alike. Each point reports its median round."""
     from dspark_trt.runtime.device import cpu_device_name
 
     output.parent.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = {"model": target, "drafter": ", ".join(sorted({s.drafter for s in specs if s.drafter})) or None,
               "machine": cpu_device_name(), "dtype": served_dtype(dtype) if url is None else "of the server",
-              "max_tokens": max_tokens, "request_rate": request_rate,
+              "max_tokens": max_tokens, "request_rate": request_rate, "rounds": rounds,
               "runs": []}
     servers, bases = [], {}
     try:
@@ -274,20 +300,20 @@ def run_bench(specs: list[PolicySpec], concurrencies: list[int], temperatures: l
             for concurrency in concurrencies:
                 count = num_requests or max(4, 2 * concurrency)
                 prompts = load_prompt_mix(count, seed)
-                for spec in specs:
-                    base = bases[spec.label]
-                    before = scrape(base, ("dspark:scheduler_seconds_total", "dspark:step_seconds_total"))
-                    records, wall = asyncio.run(run_load(base, models[spec.label], prompts, concurrency, temperature,
-                                                         max_tokens, request_rate, seed, headers))
-                    after = scrape(base, ("dspark:scheduler_seconds_total", "dspark:step_seconds_total"))
-                    run = summarize(spec.label, concurrency, temperature, records, wall,
-                                    after["dspark:scheduler_seconds_total"] - before["dspark:scheduler_seconds_total"],
-                                    after["dspark:step_seconds_total"] - before["dspark:step_seconds_total"])
-                    result["runs"].append(run)
-                    echo(f"[{spec.label}] T={temperature:g} c={concurrency:>3}: total {run['total_tok_s']:7.1f} tok/s, "
-                         f"per-user {run['per_user_tok_s'] or 0:6.1f} tok/s, tau {run['accept_length']:.2f}, "
-                         f"budget {run['mean_verify_budget']:.2f}, failed {run['num_failed']}")
-                    output.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive a crash
+                per_round: dict[str, list[dict]] = {spec.label: [] for spec in specs}
+                for round_index in range(rounds):
+                    # A B, then B A: drift on a shared machine falls on every policy alike
+                    for spec in specs if round_index % 2 == 0 else specs[::-1]:
+                        run = measure_run(bases[spec.label], models[spec.label], spec.label, prompts, concurrency,
+                                          temperature, max_tokens, request_rate, seed, headers)
+                        per_round[spec.label].append(run)
+                        echo(f"[{spec.label}] T={temperature:g} c={concurrency:>3}"
+                             f"{f' round {round_index + 1}/{rounds}' if rounds > 1 else ''}: "
+                             f"total {run['total_tok_s']:7.1f} tok/s, per-user {run['per_user_tok_s'] or 0:6.1f} tok/s, "
+                             f"tau {run['accept_length']:.2f}, budget {run['mean_verify_budget']:.2f}, "
+                             f"failed {run['num_failed']}")
+                result["runs"] += [median_run(per_round[spec.label]) for spec in specs]
+                output.write_text(json.dumps(result, indent=2) + "\n")  # partial results survive a crash
     finally:
         for server in servers:
             server.stop()

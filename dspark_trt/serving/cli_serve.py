@@ -159,9 +159,12 @@ def parse_list(text: str, kind, option: str) -> list:
 @click.option("--max-model-len", type=int, default=1024, show_default=True,
               help="Each server's context per request (bounds the KV memory of several servers at once).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Measure each point this many times, the policies in alternating order (A B B A ...), and "
+                   "report the median round: use 3 or more on a machine whose speed drifts.")
 @dtype_option
 def bench_command(policies, target, drafter, url, api_key, concurrency, temperatures, num_requests, max_tokens,
-                  request_rate, profile_path, output, max_model_len, seed, dtype):
+                  request_rate, profile_path, output, max_model_len, seed, rounds, dtype):
     """Load-test servers: per-user vs total tok/s across concurrency, several policies side by side."""
     from dspark_trt.serving.bench import PolicySpec, run_bench
 
@@ -195,7 +198,7 @@ def bench_command(policies, target, drafter, url, api_key, concurrency, temperat
     else:
         llm = profile = None
     run_bench(specs, concurrencies, temps, num_requests, max_tokens, request_rate, target, url, api_key, profile_path,
-              output, seed, max_model_len, echo=lambda line: click.echo(line, err=True), dtype=dtype)
+              output, seed, max_model_len, echo=lambda line: click.echo(line, err=True), dtype=dtype, rounds=rounds)
     if llm is not None:
         check_profile_after(llm, profile, output)
 
