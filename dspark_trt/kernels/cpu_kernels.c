@@ -944,6 +944,8 @@ typedef struct {
     const long *logit_rows;                 /* [num_logits] rows to compute logits at */
     long num_logits;
     float *logits;                          /* [num_logits][vocab] */
+    float *normed;                          /* [num_logits][hidden]: the final norm's output at the logit
+                                             * rows (what the LM head reads), or NULL: not wanted */
 } decoder_call;
 
 static void rms_norm_row(const float *x, const float *weight, long n, float eps, float *out) {
@@ -1064,6 +1066,7 @@ int dspark_decoder_forward(const decoder_model *m, float *x, const decoder_call 
     if (status == 0 && c->num_logits > 0) {
         norm_args final = {x, d, m->final_norm, d, m->eps, h, d, c->logit_rows};
         parallel_for(norm_range, &final, c->num_logits, ROWS_PER_THREAD);
+        if (c->normed) memcpy(c->normed, h, (size_t)(c->num_logits * d) * sizeof(float));
         gemm(h, c->num_logits, d, m->lm_head, d, m->vocab, c->logits, m->vocab, 0, 0);
     }
     free(h); free(qkv); free(attn); free(gate_up); free(act);

@@ -155,7 +155,7 @@ class _DecoderCall(ctypes.Structure):  # decoder_call
                 ("values", _pointer), ("layer_stride", ctypes.c_long), ("slot_stride", ctypes.c_long),
                 ("head_stride", ctypes.c_long), ("rope_cos", _pointer), ("rope_sin", _pointer),
                 ("feature_layers", _pointer), ("num_features", ctypes.c_long), ("features", _pointer),
-                ("logit_rows", _pointer), ("num_logits", ctypes.c_long), ("logits", _pointer)]
+                ("logit_rows", _pointer), ("num_logits", ctypes.c_long), ("logits", _pointer), ("normed", _pointer)]
 
 
 def _open(compiler: str, isa: str) -> ctypes.CDLL:
@@ -443,7 +443,8 @@ class FusedDecoder:
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 feature_layers: tuple[int, ...], logit_rows: torch.Tensor | None,
-                visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                visible: torch.Tensor | None = None, normed: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run every layer over `x` `[tokens, hidden]` (fp32, embedded; overwritten).
 
         keys/values: the whole KV pool `[layers, slots, kv_heads, capacity, head_dim]` (contiguous
@@ -452,7 +453,8 @@ class FusedDecoder:
         caller checks that every position and visible index is below the capacity.
         rope_cos/rope_sin: `[>max position, head_dim]`. Returns the logits `[len(logit_rows) or
         tokens, vocab]` and the outputs of `feature_layers` `[tokens, len(feature_layers) * hidden]`
-        (None if none).
+        (None if none). normed: `[len(logit_rows) or tokens, hidden]` fp32, filled with the final
+        norm's output at the logit rows (a drafter's hidden states), or None.
         """
         shape = self.shape
         tokens = x.shape[0]
@@ -469,12 +471,17 @@ class FusedDecoder:
         logits = torch.empty(num_logits, shape.vocab, dtype=torch.float32)
         wanted = torch.tensor(feature_layers, dtype=torch.long)
         features = torch.empty(tokens, len(feature_layers) * shape.hidden) if feature_layers else None
+        if normed is not None:
+            _require_fp32_contiguous(normed=normed)
+            if normed.shape != (num_logits, shape.hidden):
+                raise ValueError(f"normed must be [{num_logits}, {shape.hidden}], got {list(normed.shape)}")
         call = _DecoderCall(tokens, slots.data_ptr(), positions.data_ptr(),
                             None if visible is None else visible.data_ptr(), keys.data_ptr(), values.data_ptr(),
                             *_pool_strides(keys), rope_cos.data_ptr(), rope_sin.data_ptr(), wanted.data_ptr(),
                             len(feature_layers),
                             None if features is None else features.data_ptr(),
-                            None if rows is None else rows.data_ptr(), num_logits, logits.data_ptr())
+                            None if rows is None else rows.data_ptr(), num_logits, logits.data_ptr(),
+                            None if normed is None else normed.data_ptr())
         if tokens and _library.dspark_decoder_forward(ctypes.byref(self._model), x.data_ptr(), ctypes.byref(call)):
             raise MemoryError("the fused decoder pass could not allocate its scratch memory")
         return logits, features

@@ -308,11 +308,10 @@ class DSparkProposer(Proposer):
         positions = (lengths[:, None] + torch.arange(gamma)).reshape(-1)  # [N * gamma]
         visible = (lengths + gamma - 1).repeat_interleave(gamma)
         cos, sin = drafter.rope_table(int(positions.max()) + 1)
-        last_layer = (len(drafter.layers) - 1,)
-        logits, states = fused.forward(block.reshape(-1, d).contiguous(), self.pool.keys, self.pool.values,
-                                       torch.tensor(slots).repeat_interleave(gamma), positions, cos, sin, last_layer,
-                                       None, visible)
-        hidden = drafter.final_norm(states).view(num_requests, gamma, d)
+        hidden = torch.empty(num_requests, gamma, d)  # the final norm's output, which the LM head reads
+        logits, _ = fused.forward(block.reshape(-1, d).contiguous(), self.pool.keys, self.pool.values,
+                                  torch.tensor(slots).repeat_interleave(gamma), positions, cos, sin, (), None, visible,
+                                  normed=hidden.view(-1, d))
         return hidden, logits.view(num_requests, gamma, -1)
 
     @torch.inference_mode()
