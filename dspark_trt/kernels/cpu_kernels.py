@@ -22,17 +22,23 @@ matmul in a decode step).
 Numerics: weight-only bf16. The weights are rounded to bf16 once; activations stay fp32 and
 each output is one fp32 FMA chain over k in order. A row's result never depends on the other
 rows (batch invariant by construction), nor on the number of threads (each thread owns whole
-columns).
+columns). The AMX build differs in one thing: each matmul's input is rounded to bf16 (what the
+tiles multiply), with fp32 accumulation; it is batch invariant too (a row's tile products never
+mix rows), but not bit-identical to the FMA builds.
 
-ISAs: one C source, built per instruction set (`ISAS`): `avx512` (AVX-512 F and BW: Intel
+ISAs: one C source, built per instruction set (`ISAS`): `amx` (AMX-BF16 tiles for the matmuls,
+AVX-512 for the rest: Intel Sapphire Rapids and later Xeons), `avx512` (AVX-512 F and BW: Intel
 Skylake-SP and later server CPUs, AMD Zen 4 and later) or `avx2` (AVX2 and FMA: Intel Haswell and
-later, AMD Zen 1-3, most laptops and desktops). Why both: without the kernels the engine falls back
-to oneDNN, slower at every row count, so an AVX2-only CPU would lose the bf16 engine. Both builds
-give bit-identical results (the same operations in the same order; `tests/test_bf16.py` checks
-it), so a cache or a comparison never depends on the build. One is picked per process, at the
-first use: the best the CPU has, or the one `DSPARK_TRT_KERNEL_ISA` (`auto`, the default, |
-`avx512` | `avx2`) forces (to test or measure the AVX2 build on an AVX-512 CPU); a forced ISA the
-CPU lacks leaves the kernels unavailable, with the reason. Needs `gcc` (or `$CC`) too;
+later, AMD Zen 1-3, most laptops and desktops). Why all three: without the kernels the engine
+falls back to oneDNN, slower at every row count, so an AVX2-only CPU would lose the bf16 engine;
+and at 4-16 rows the FMA builds are bound by their multiply rate, which AMX's tiles lift ~10x
+(an 8-token step 1.6x a one-token step with FMAs, 1.1x with AMX, on a Sapphire Rapids Xeon). The
+AVX-512 and AVX2 builds give bit-identical results (the same operations in the same order;
+`tests/test_bf16.py` checks it), so a cache or a comparison never depends on which of them ran.
+One is picked per process, at the first use: the best the CPU has (falling back to the next when
+a build or the AMX tile permission fails), or the one `DSPARK_TRT_KERNEL_ISA` (`auto`, the
+default, | `amx` | `avx512` | `avx2`) forces (to test or measure a build on a CPU that has a
+better one); a forced ISA the CPU lacks leaves the kernels unavailable, with the reason. Needs `gcc` (or `$CC`) too;
 `available()` says why not otherwise, and callers fall back to oneDNN. Set
 `DSPARK_TRT_BF16_KERNEL=off` to force that fallback (for comparisons).
 """
