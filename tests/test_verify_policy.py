@@ -18,9 +18,9 @@ from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.sampling import sample, verify_draft
 from dspark_trt.models.drafter_io import save_drafter
 from dspark_trt.models.loading import load_target
-from dspark_trt.runtime.verify_policy import (DRAFTER_SCALE_WEIGHT, Costs, DSparkPolicy, LaggedDSparkPolicy, algorithm1,
-                                          best_budget, candidate_counts, make_policy, prefix_survival,
-                                          top_k_budgets)
+from dspark_trt.runtime.verify_policy import (DRAFTER_SCALE_WEIGHT, Costs, DSparkPolicy, LaggedDSparkPolicy,
+                                          NoSpeculation, VerifyPolicy, algorithm1, best_budget, candidate_counts,
+                                          make_policy, prefix_survival, top_k_budgets)
 from tiny_drafters import make_drafter
 
 
@@ -34,9 +34,9 @@ def costs(batch_tokens, seconds, drafter_requests=(), drafter_seconds=()):
                                 list(drafter_requests), list(drafter_seconds)))
 
 
-def any_drafting(policy, lagged_survival) -> bool:
+def any_drafting(policy, lagged_survival, block_size=2) -> bool:
     """Whether the drafter runs at all this step."""
-    return any(policy.drafting(lagged_survival))
+    return any(policy.drafting(lagged_survival, block_size))
 
 
 def test_prefix_survival_is_the_running_product():
@@ -73,9 +73,30 @@ def test_drafter_cost_enters_the_objective():
         policy.costs = cost
         assert any_drafting(policy, survival) is should
     policy = DSparkPolicy()
-    policy.costs = dear
+    policy.costs = cheap
     assert any_drafting(policy, [None] * 4) is True  # no history yet: draft once to learn
-    assert policy.drafting([None] * 4) == [True, False, False, False]  # ... for one request, not the batch
+    assert policy.drafting([None] * 4, 2) == [True, False, False, False]  # ... for one request, not the batch
+    policy.costs = dear
+    assert policy.drafting([None] * 4, 2) == [False] * 4  # ... where a draft could pay at all
+
+
+def test_where_no_draft_could_pay_nothing_drafts_not_even_to_explore(target):
+    # Verifying costs 0.3 s a token above 4 tokens and a draft 0.5 s: one request's whole block of 2
+    # (4 + 2 tokens in 1.6 + 0.5 s) loses to plain decoding (4 in 1.0 s), so no draft can pay.
+    dear = costs([4, 6], [1.0, 1.6], [1], [0.5])
+    policy = DSparkPolicy()
+    policy.costs = dear
+    assert not policy.could_pay(4, 2)
+    assert policy.could_pay(4, 0)  # block size unknown: no bound
+    policy.costs = costs([4, 6], [1.0, 1.02], [1], [0.01])
+    assert policy.could_pay(4, 2) and policy.could_pay(1, 2)
+    assert VerifyPolicy().could_pay(4, 2) and not NoSpeculation().could_pay(4, 2)
+    policy.costs = dear
+    requests = [SimpleNamespace(request_id=name) for name in "abcd"]
+    for block_size, drafts in ((2, False), (0, True)):  # without the bound it tries once, then explores
+        scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
+                              explore_every=2, block_size=block_size)
+        assert any(scheduler._drafting(requests, StepStats()) for _ in range(50)) is drafts
 
 
 def test_drafting_is_judged_by_the_rule_that_will_verify():
@@ -97,7 +118,7 @@ def test_drafting_is_judged_by_the_rule_that_will_verify():
 def test_explorations_back_off_while_drafting_does_not_pay(target):
 
     class Never(DSparkPolicy):
-        def drafting(self, lagged_survival):
+        def drafting(self, lagged_survival, block_size):
             return [self.pays] * len(lagged_survival)
 
     policy = Never()
@@ -123,12 +144,12 @@ def test_only_the_requests_worth_drafting_for_draft():
     policy = DSparkPolicy()
     policy.costs = costs([4, 5, 6, 8], [1.0, 1.02, 1.04, 1.2], [1, 4], [0.1, 0.4])
     lagged = [[0.05, 0.01], [0.1, 0.02], [0.95, 0.9], None]
-    assert policy.drafting(lagged) == [False, False, True, False]
+    assert policy.drafting(lagged, 2) == [False, False, True, False]
     assert candidate_counts(3) == [1, 2, 3] and candidate_counts(40) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 40]
     policy.costs = costs([4, 8], [1.0, 1.0001], [1, 4], [0.001, 0.004])  # free drafts: everyone drafts
-    assert policy.drafting(lagged) == [True] * 4
+    assert policy.drafting(lagged, 2) == [True] * 4
     policy.costs = costs([4, 8], [1.0, 2.0], [1, 4], [0.5, 2.0])  # dear drafts and verification: nobody
-    assert policy.drafting(lagged) == [False] * 4 and not any_drafting(policy, lagged)
+    assert policy.drafting(lagged, 2) == [False] * 4 and not any_drafting(policy, lagged)
 
 
 def test_an_exploration_drafts_for_the_request_that_waited_longest(target):
@@ -297,7 +318,7 @@ def test_only_steady_state_drafts_scale_the_drafter_cost(tiny_llama, target, tmp
             super().__init__()
             self.every, self.calls, self.observed = every, 0, []
 
-        def drafting(self, lagged_survival):
+        def drafting(self, lagged_survival, block_size):
             self.calls += 1
             return [self.calls % self.every == 0] * len(lagged_survival)
 
@@ -319,7 +340,7 @@ def test_the_policy_is_asked_again_only_when_its_inputs_changed(target):
     policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [5.0])  # drafting never pays
     calls = []
     original = policy.drafting
-    policy.drafting = lambda lagged: calls.append(len(lagged)) or original(lagged)
+    policy.drafting = lambda lagged, block_size: calls.append(len(lagged)) or original(lagged, block_size)
     scheduler = Scheduler(target.model.new_pool(2, 16), policy, max_batch_tokens=16, context_length=16,
                           explore_every=4)
     a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")

@@ -78,7 +78,8 @@ class Engine:
         self.context_length = min(target.config.max_position_embeddings, max_model_len)
         self.pool = target.model.new_pool(max_batch_size, self.context_length)
         self.scheduler = Scheduler(self.pool, self.policy, max_batch_tokens, self.context_length,
-                                   max_logit_rows=getattr(target.model, "max_logit_rows", None))
+                                   max_logit_rows=getattr(target.model, "max_logit_rows", None),
+                                   block_size=self.proposer.block_size if self.proposer is not None else 0)
         self.output_processor = OutputProcessor(target.tokenizer, target.eos_token_ids, self.context_length)
         self._ids = itertools.count()
         self.counters = EngineCounters()

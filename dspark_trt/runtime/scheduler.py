@@ -68,13 +68,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: KVPool, policy: VerifyPolicy, max_batch_tokens: int, context_length: int,
-                 explore_every: int = 16, max_logit_rows: int | None = None):
+                 explore_every: int = 16, max_logit_rows: int | None = None, block_size: int = 0):
         self.pool = pool
         self.policy = policy
         self.max_batch_tokens = max_batch_tokens
         # Logit rows one forward can return (a TensorRT engine's profile bounds them; None: no bound).
         self.max_logit_rows = max_logit_rows
         self.context_length = context_length
+        self.block_size = block_size  # the drafter's block (0: unknown), what the policy's bound assumes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Prefix survivals of each request's latest block: the lagged input of `drafting`.
@@ -124,7 +125,7 @@ class Scheduler:
         if self._inputs_changed or self._last_choice is None or self._last_choice[0] != ids:
             lagged = [self.survival.get(r.request_id) for r in decoding]
             chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else row
-                                           for r, row in zip(decoding, lagged)])
+                                           for r, row in zip(decoding, lagged)], self.block_size)
             self._last_choice, self._inputs_changed = (ids, chosen), False
         chosen = self._last_choice[1]
         drafting = [request for request, draft in zip(decoding, chosen) if draft]
@@ -133,10 +134,11 @@ class Scheduler:
         # request, the one that has gone longest without (a draft for one costs a fraction of a
         # step); while explorations keep finding no gain the gap doubles (16, 32, .. 256 steps), so
         # text the drafter cannot predict costs at most a fraction of a percent over plain
-        # decoding, and a gain found again resets the gap.
+        # decoding, and a gain found again resets the gap. Where no draft could pay at this batch
+        # (`VerifyPolicy.could_pay`), there is nothing to find: no exploration.
         if drafting:
             self.explore_gap = self.explore_every
-        elif self.steps_since_draft >= self.explore_gap:
+        elif self.steps_since_draft >= self.explore_gap and self.policy.could_pay(len(decoding), self.block_size):
             drafting = [min(decoding, key=lambda r: self.last_drafted.get(r.request_id, -1))]
             self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
         for request in drafting:
