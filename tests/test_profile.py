@@ -19,8 +19,16 @@ def test_round_trip_in_the_design_format(tmp_path):
     data = json.loads(path.read_text())
     assert data == {"backend": "torch-cpu", "device": "cpu:test",
                     "target": {"batch_tokens": [1, 8, 64], "step_seconds": [0.05, 0.06, 0.2]},
-                    "drafter": {"num_requests": [1, 4], "step_seconds": [0.01, 0.02]}}
+                    "drafter": {"num_requests": [1, 4], "step_seconds": [0.01, 0.02],
+                                "catch_up_seconds_per_position": 0.0}}
     assert LatencyProfile.load(path) == profile()
+    del data["drafter"]["catch_up_seconds_per_position"]  # a profile written before it was measured
+    path.write_text(json.dumps(data))
+    assert LatencyProfile.load(path) == profile()
+    with_catch_up = LatencyProfile(**{**vars(profile()), "catch_up_seconds_per_position": 2e-5})
+    with_catch_up.save(path)
+    assert LatencyProfile.load(path) == with_catch_up and with_catch_up.catch_up_seconds(100) == pytest.approx(2e-3)
+    assert with_catch_up.catch_up_seconds(-3) == 0.0
 
 
 def test_lookups_interpolate_and_extrapolate():

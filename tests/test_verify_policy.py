@@ -34,6 +34,11 @@ def costs(batch_tokens, seconds, drafter_requests=(), drafter_seconds=()):
                                 list(drafter_requests), list(drafter_seconds)))
 
 
+def decoding_request(request_id: str, length: int = 0) -> SimpleNamespace:
+    """What the scheduler's drafting choice reads of a request: its id and how long it is."""
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=[0] * length, output_token_ids=[])
+
+
 def any_drafting(policy, lagged_survival, block_size=2) -> bool:
     """Whether the drafter runs at all this step."""
     return any(policy.drafting(lagged_survival, block_size))
@@ -92,11 +97,54 @@ def test_where_no_draft_could_pay_nothing_drafts_not_even_to_explore(target):
     assert policy.could_pay(4, 2) and policy.could_pay(1, 2)
     assert VerifyPolicy().could_pay(4, 2) and not NoSpeculation().could_pay(4, 2)
     policy.costs = dear
-    requests = [SimpleNamespace(request_id=name) for name in "abcd"]
+    requests = [decoding_request(name) for name in "abcd"]
     for block_size, drafts in ((2, False), (0, True)):  # without the bound it tries once, then explores
         scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
                               explore_every=2, block_size=block_size)
         assert any(scheduler._drafting(requests, StepStats()) for _ in range(50)) is drafts
+
+
+def test_a_long_catch_up_counts_against_drafting(target):
+    # One request whose draft pays when its context is current: (1 + 0.9 + 0.81) / (1.1 + 0.3) s
+    # beats 1 / 1 s; with 3,000 positions to catch up on first, at 1 ms each, it does not.
+    policy = DSparkPolicy()
+    policy.costs = Costs(LatencyProfile("test", "test", [1, 2, 3, 4], [1.0, 1.05, 1.1, 1.15], [1, 2], [0.3, 0.4],
+                                        catch_up_seconds_per_position=1e-3))
+    assert policy.drafting([[0.9, 0.81]], 2, [0]) == [True]
+    assert policy.drafting([[0.9, 0.81]], 2, [3000]) == [False]
+    # Two alike: the one that drafted last step (nothing to catch up on) drafts, alone.
+    assert policy.drafting([[0.9, 0.81]] * 2, 2, [3000, 0]) == [False, True]
+    # The scheduler counts what a request missed since it last drafted (its prompt, if it never did),
+    # beyond the step's worth the profiled draft already includes.
+    scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16, block_size=2)
+    request = decoding_request("r", length=300)
+    assert scheduler._catch_up_positions(request) == 298
+    scheduler.survival["r"] = [0.9, 0.81]
+    policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [0.3])  # no catch-up cost: it drafts
+    assert scheduler._drafting([request], StepStats())
+    request.output_token_ids = [7, 8, 9]
+    assert scheduler._catch_up_positions(request) == 1
+
+
+def test_requests_that_have_not_drafted_are_judged_by_what_finished_ones_found(target):
+    """Before any request finishes, one new request tries; after, new requests get the running mean
+    of finished requests' (corrected) survivals: a poor drafter stops being tried on every new
+    batch of requests, a good one drafts for them straight away."""
+    policy = DSparkPolicy()
+    policy.costs = costs([1, 2, 3, 4], [1.0, 1.05, 1.1, 1.15], [1, 2], [0.3, 0.4])
+    scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16, block_size=2)
+    first, second = decoding_request("first"), decoding_request("second")
+    assert scheduler._drafting([first, second], StepStats()) == [first]  # nothing known: one tries
+    for survival, drafts in (([0.1, 0.01], False), ([0.95, 0.9], True)):
+        scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
+                              block_size=2, explore_every=1000)
+        scheduler.survival["done"] = survival
+        scheduler.finish(SimpleNamespace(request_id="done", cache=None))
+        assert scheduler.prior == survival
+        assert bool(scheduler._drafting([first, second], StepStats())) is drafts, survival
+    scheduler.survival["later"] = [0.15, 0.11]
+    scheduler.finish(SimpleNamespace(request_id="later", cache=None))
+    assert scheduler.prior == pytest.approx([0.75 * 0.95 + 0.25 * 0.15, 0.75 * 0.9 + 0.25 * 0.11])
 
 
 def test_drafting_is_judged_by_the_rule_that_will_verify():
@@ -118,7 +166,7 @@ def test_drafting_is_judged_by_the_rule_that_will_verify():
 def test_explorations_back_off_while_drafting_does_not_pay(target):
 
     class Never(DSparkPolicy):
-        def drafting(self, lagged_survival, block_size):
+        def drafting(self, lagged_survival, block_size, catch_up_positions=None):
             return [self.pays] * len(lagged_survival)
 
     policy = Never()
@@ -127,7 +175,7 @@ def test_explorations_back_off_while_drafting_does_not_pay(target):
                           explore_every=4)
 
     def drafted_steps(num_steps):
-        decoding = [SimpleNamespace(request_id="r")]
+        decoding = [decoding_request("r")]
         return [step for step in range(num_steps) if scheduler._drafting(decoding, StepStats())]
 
     # Gaps of 4, 8, 16, 32, then capped at 16 x 4 = 64 steps.
@@ -157,7 +205,7 @@ def test_an_exploration_drafts_for_the_request_that_waited_longest(target):
     policy.costs = costs([1, 8], [1.0, 8.0], [1], [5.0])  # drafting never pays
     scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
                           explore_every=2)
-    requests = [SimpleNamespace(request_id=name) for name in "abc"]
+    requests = [decoding_request(name) for name in "abc"]
     for request in requests:
         scheduler.survival[request.request_id] = [0.5]
     explored = [[r.request_id for r in scheduler._drafting(requests, StepStats())] for _ in range(20)]
@@ -186,7 +234,7 @@ def test_an_overconfident_drafter_stops_being_drafted_for(target):
     policy = DSparkPolicy()
     policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [0.3])
     scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16)
-    request = SimpleNamespace(request_id="r")
+    request = decoding_request("r")
     scheduler.survival["r"] = [0.9, 0.81]
     assert scheduler._drafting([request], StepStats())  # (1 + 0.9 + 0.81) / 1.4 s beats 1 / 1 s
     verified = Draft([5, 6], confidences=torch.tensor([0.9, 0.9]))
@@ -318,7 +366,7 @@ def test_only_steady_state_drafts_scale_the_drafter_cost(tiny_llama, target, tmp
             super().__init__()
             self.every, self.calls, self.observed = every, 0, []
 
-        def drafting(self, lagged_survival, block_size):
+        def drafting(self, lagged_survival, block_size, catch_up_positions=None):
             self.calls += 1
             return [self.calls % self.every == 0] * len(lagged_survival)
 
@@ -340,10 +388,10 @@ def test_the_policy_is_asked_again_only_when_its_inputs_changed(target):
     policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [5.0])  # drafting never pays
     calls = []
     original = policy.drafting
-    policy.drafting = lambda lagged, block_size: calls.append(len(lagged)) or original(lagged, block_size)
+    policy.drafting = lambda lagged, block_size, positions: calls.append(len(lagged)) or original(lagged, block_size)
     scheduler = Scheduler(target.model.new_pool(2, 16), policy, max_batch_tokens=16, context_length=16,
                           explore_every=4)
-    a, b = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")
+    a, b = decoding_request("a"), decoding_request("b")
     scheduler.survival.update(a=[0.5], b=[0.5])
     drafted = [bool(scheduler._drafting([a], StepStats())) for _ in range(4)]
     assert drafted == [False] * 4 and calls == [1]

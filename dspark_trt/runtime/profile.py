@@ -10,7 +10,13 @@ in it is exactly what the scheduler should exploit.
 
     {"backend": "...", "device": "...",
      "target":  {"batch_tokens": [1, 2, 4, ...], "step_seconds": [...]},
-     "drafter": {"num_requests": [1, 2, 4, ...], "step_seconds": [...]}}
+     "drafter": {"num_requests": [1, 2, 4, ...], "step_seconds": [...],
+                 "catch_up_seconds_per_position": ...}}
+
+A drafter step's curve is timed with `KEPT_PER_STEP` new positions per request, what a request
+that drafted last step brings; one that has not drafted for a while first catches up on every
+position since (its prompt, if it never drafted): `catch_up_seconds_per_position` is what each
+further position adds (measured; 0 in profiles written before it was).
 
 Between measured points step time is interpolated linearly; past the last point it is
 extrapolated along the last segment (never below the last value).
@@ -77,6 +83,7 @@ class LatencyProfile:
     target_step_seconds: list[float]
     drafter_num_requests: list[int] = field(default_factory=list)
     drafter_step_seconds: list[float] = field(default_factory=list)
+    catch_up_seconds_per_position: float = 0.0  # beyond the curve's KEPT_PER_STEP positions a request
 
     def __post_init__(self):
         for xs, ys, what in ((self.target_batch_tokens, self.target_step_seconds, "target"),
@@ -89,6 +96,9 @@ class LatencyProfile:
                 raise DsparkError(f"latency profile: {what} step times must be positive, got {list(ys)}")
         if not self.target_batch_tokens:
             raise DsparkError("latency profile: the target curve is empty")
+        if not self.catch_up_seconds_per_position >= 0:
+            raise DsparkError(f"latency profile: catch_up_seconds_per_position must be >= 0, got "
+                              f"{self.catch_up_seconds_per_position}")
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -102,13 +112,18 @@ class LatencyProfile:
             return 0.0
         return _interpolate(self.drafter_num_requests, self.drafter_step_seconds, num_requests)
 
+    def catch_up_seconds(self, positions: int) -> float:
+        """What a draft adds for `positions` positions to catch up on beyond the curve's own."""
+        return self.catch_up_seconds_per_position * max(0, positions)
+
     # ---- files --------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "device": self.device,
                 "target": {"batch_tokens": list(self.target_batch_tokens), "step_seconds": list(self.target_step_seconds)},
                 "drafter": {"num_requests": list(self.drafter_num_requests),
-                            "step_seconds": list(self.drafter_step_seconds)}}
+                            "step_seconds": list(self.drafter_step_seconds),
+                            "catch_up_seconds_per_position": self.catch_up_seconds_per_position}}
 
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
@@ -138,7 +153,8 @@ class LatencyProfile:
                        target_batch_tokens=[int(x) for x in data["target"]["batch_tokens"]],
                        target_step_seconds=[float(x) for x in data["target"]["step_seconds"]],
                        drafter_num_requests=[int(x) for x in drafter.get("num_requests", [])],
-                       drafter_step_seconds=[float(x) for x in drafter.get("step_seconds", [])])
+                       drafter_step_seconds=[float(x) for x in drafter.get("step_seconds", [])],
+                       catch_up_seconds_per_position=float(drafter.get("catch_up_seconds_per_position", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise DsparkError(f"latency profile {path}: malformed curve ({e})") from None
 
@@ -231,6 +247,34 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
     return seconds
 
 
+CATCH_UP_POSITIONS = 256  # positions a timed long catch-up brings (a prompt's worth)
+
+
+@torch.inference_mode()
+def measure_catch_up(target, proposer, context_length: int = 128, repeats: int = 3) -> float:
+    """Seconds each position beyond `KEPT_PER_STEP` adds to a 1-request draft: a draft after
+    `CATCH_UP_POSITIONS` new positions against one after `KEPT_PER_STEP`, on the same request."""
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.runtime.sampling import SamplingParams
+
+    width = len(proposer.feature_layers) * target.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    request = Request("profile-catch-up", list(range(1, context_length)), SamplingParams(temperature=0.0),
+                      torch.Generator())
+    request.output_token_ids = [1]
+    proposer.observe(request, torch.randn(context_length, width, generator=generator))
+    short, long = (torch.randn(count, width, generator=generator) for count in (KEPT_PER_STEP, CATCH_UP_POSITIONS))
+    try:
+        def draft_after(features):
+            proposer.observe(request, features)
+            proposer.propose([request])
+
+        seconds = [_best_seconds(lambda f=features: draft_after(f), repeats) for features in (short, long)]
+    finally:
+        proposer.release(request)
+    return max(0.0, (seconds[1] - seconds[0]) / (CATCH_UP_POSITIONS - KEPT_PER_STEP))
+
+
 def suffix_minimum(seconds: list[float]) -> list[float]:
     """t(B) = min over B' >= B of the measured t(B'): a bigger batch that measured faster bounds a
     smaller one (noise from other processes only ever adds time). On a quiet machine this changes
@@ -254,13 +298,17 @@ def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, 
     if not quick:  # odd sizes between the powers show the jaggedness the scheduler exploits
         batch_tokens = sorted(set(batch_tokens) | {b + b // 2 for b in batch_tokens if 2 < b < max_batch_tokens})
     target_seconds = suffix_minimum(measure_target_curve(target, batch_tokens, repeats=repeats, progress=progress))
-    num_requests, drafter_seconds = [], []
+    num_requests, drafter_seconds, catch_up = [], [], 0.0
     if proposer is not None:
         num_requests = _powers_of_two(max_requests)
         drafter_seconds = suffix_minimum(measure_drafter_curve(target, proposer, num_requests, repeats=repeats,
                                                                progress=progress))
+        catch_up = measure_catch_up(target, proposer, repeats=repeats)
+        if progress is not None:
+            progress(f"drafter catch-up: {catch_up * 1e6:.1f} us a position")
     device = target.model.embed.device
     weight_dtype = getattr(target.model, "weight_dtype", torch.float32)  # other backends: their own name
     return LatencyProfile(backend=torch_backend_name(device, weight_dtype), device=device_name(device),
                           target_batch_tokens=batch_tokens, target_step_seconds=target_seconds,
-                          drafter_num_requests=num_requests, drafter_step_seconds=drafter_seconds)
+                          drafter_num_requests=num_requests, drafter_step_seconds=drafter_seconds,
+                          catch_up_seconds_per_position=catch_up)

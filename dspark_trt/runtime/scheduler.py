@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dspark_trt.models.kv_cache import KVPool
+from dspark_trt.runtime.profile import KEPT_PER_STEP
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.stats import StepStats
@@ -36,6 +37,12 @@ from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 # scored prompt chunks this many rows in all, so their logits stay ~50 MB (256 x a 49k vocabulary,
 # fp32) however many such prompts run (the soak saw the server's RSS swing by ~100 MB at 512).
 PROMPT_LOGPROBS_ROWS = 256
+PRIOR_WEIGHT = 0.25  # a finished request's share in the survival prior for requests that have not drafted
+
+
+def sequence_length(request: Request) -> int:
+    """Tokens a request has committed: its prompt and its output."""
+    return len(request.prompt_token_ids) + len(request.output_token_ids)
 
 
 @dataclass
@@ -80,12 +87,16 @@ class Scheduler:
         self.running: list[Request] = []
         # Prefix survivals of each request's latest block: the lagged input of `drafting`.
         self.survival: dict[str, list[float]] = {}
+        # What finished requests' drafts survived (a running mean): how a request that has not
+        # drafted yet is judged, rather than letting it try whenever no running request has drafted.
+        self.prior: list[float] | None = None
         # What verification found so far, per request: scales the survivals the policy sees.
         self.feedback = SurvivalFeedback()
         self.steps_since_draft = 0
         self.explore_every = explore_every  # steps without drafting after which the drafter runs once anyway
         self.explore_gap = explore_every  # the current gap: doubles while explorations keep finding no gain
         self.last_drafted: dict[str, int] = {}  # request id -> the step it last drafted in (who explores next)
+        self.drafted_length: dict[str, int] = {}  # request id -> its length when it last drafted (what it caught up to)
         self.num_steps = 0
         # The policy's last choice and what it was made from: its inputs (survivals, feedback, the
         # drafter's measured cost) only change when something was drafted, so while nothing is, the
@@ -124,8 +135,11 @@ class Scheduler:
         ids = tuple(r.request_id for r in decoding)
         if self._inputs_changed or self._last_choice is None or self._last_choice[0] != ids:
             lagged = [self.survival.get(r.request_id) for r in decoding]
-            chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else row
-                                           for r, row in zip(decoding, lagged)], self.block_size)
+            # A request that has not drafted yet is judged by what finished requests' drafts survived
+            # (None before any has: the policy then lets one try).
+            chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else self.prior
+                                           for r, row in zip(decoding, lagged)], self.block_size,
+                                          [self._catch_up_positions(r) for r in decoding])
             self._last_choice, self._inputs_changed = (ids, chosen), False
         chosen = self._last_choice[1]
         drafting = [request for request, draft in zip(decoding, chosen) if draft]
@@ -143,10 +157,23 @@ class Scheduler:
             self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
         for request in drafting:
             self.last_drafted[request.request_id] = self.num_steps
+            self.drafted_length[request.request_id] = sequence_length(request)
         self._inputs_changed = self._inputs_changed or bool(drafting)  # a draft updates survivals and costs
         stats.scheduler_seconds += time.perf_counter() - tick
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
         return drafting
+
+    def _update_prior(self, row: list[float]) -> None:
+        """Fold a finished request's last (corrected) survivals into the prior for new requests."""
+        if self.prior is None or len(self.prior) != len(row):
+            self.prior = list(row)
+        else:
+            self.prior = [(1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * new for old, new in zip(self.prior, row)]
+
+    def _catch_up_positions(self, request: Request) -> int:
+        """Positions the drafter would catch up on for `request` beyond a step's worth (which the
+        profile's draft already includes): all since it last drafted, its prompt if it never did."""
+        return max(0, sequence_length(request) - self.drafted_length.get(request.request_id, 0) - KEPT_PER_STEP)
 
     def pack(self, plan: StepPlan, blocks: list[Draft] | None) -> list[Feed]:
         """The step's feeds from the full draft `blocks` of `plan.decoding` (None: nothing drafted; an
@@ -207,8 +234,11 @@ class Scheduler:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
-        self.survival.pop(request.request_id, None)
+        row = self.survival.pop(request.request_id, None)
+        if row:
+            self._update_prior(self.feedback.correct(request.request_id, row))
         self.last_drafted.pop(request.request_id, None)
+        self.drafted_length.pop(request.request_id, None)
         self.feedback.forget(request.request_id)
         if request.cache is not None:
             self.pool.free(request.cache)

@@ -29,7 +29,8 @@ current block exists, and a top-K set is decided by larger values only.
 
 Drafting itself is a choice, per request (`drafting`): with confidences from earlier steps, the
 policy compares the rate its own verification rule would reach if the k most promising requests
-drafted (the drafter's cost for k included) against plain decoding, and drafts for the best k, or
+drafted (the drafter's cost for k included, and its catch-up on every position they missed since
+they last drafted: the profile's `catch_up_seconds_per_position`) against plain decoding, and drafts for the best k, or
 for none, so speculation never runs where it is expected to be slower; a request's drafter state
 catches up on the context it missed before it drafts again (see `DSparkProposer.observe`).
 
@@ -40,7 +41,7 @@ budget are the scheduler's (`scheduler.py`), tensors and requests the engine's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.runtime.profile import LatencyProfile
@@ -72,6 +73,11 @@ class Costs:
 
     profile: LatencyProfile
     drafter_scale: float = 1.0
+    catch_up_seconds: float = 0.0  # what drafting adds this step for positions its requests missed (`plus_catch_up`)
+
+    def plus_catch_up(self, positions: int) -> "Costs":
+        """These costs with a draft's catch-up on `positions` missed positions added to it."""
+        return replace(self, catch_up_seconds=self.profile.catch_up_seconds(positions)) if positions > 0 else self
 
     def drafter_seconds(self, num_drafting: int) -> float:
         return self.profile.drafter_seconds(num_drafting) * self.drafter_scale
@@ -83,6 +89,8 @@ class Costs:
 
     def rate(self, expected_tokens: float, batch_tokens: int, num_drafting: int) -> float:
         seconds = self.profile.target_seconds(batch_tokens) + self.drafter_seconds(num_drafting)
+        if num_drafting > 0:
+            seconds += self.catch_up_seconds
         return expected_tokens / seconds
 
 
@@ -165,10 +173,11 @@ class VerifyPolicy:
     def set_profile(self, profile: LatencyProfile | None) -> None:
         self.costs = Costs(profile) if profile is not None else None
 
-    def drafting(self, lagged_survival: list[list[float] | None], block_size: int) -> list[bool]:
+    def drafting(self, lagged_survival: list[list[float] | None], block_size: int,
+                 catch_up_positions: list[int] | None = None) -> list[bool]:
         """Which requests the drafter runs for this step, from survivals of earlier steps (None =
-        unknown) of drafts of `block_size` tokens: every one, for a policy that does not weigh the
-        drafter's cost."""
+        unknown) of drafts of `block_size` tokens, and the positions each would first catch up on
+        (beyond a step's worth): every one, for a policy that does not weigh the drafter's cost."""
         return [self.uses_drafter] * len(lagged_survival)
 
     def could_pay(self, num_decoding: int, block_size: int) -> bool:
@@ -227,11 +236,13 @@ class DSparkPolicy(VerifyPolicy):
         # (best total budget, its rate) of the last `drafting`, over the requests it chose
         self.last_plan: tuple[int, float] | None = None
 
-    def drafting(self, lagged_survival, block_size):
+    def drafting(self, lagged_survival, block_size, catch_up_positions=None):
         """The requests worth drafting for: the k most promising (by their first draft token's
         survival), for the k whose expected rate beats plain decoding by the most; none when no k
-        does. A draft's cost grows with the requests it drafts for (profiled), so under load a few
-        confident requests draft while the rest decode plainly."""
+        does. A draft's cost grows with the requests it drafts for (profiled), and with the
+        positions they have to catch up on first (a request that has not drafted for a while: its
+        context is behind by every position since), so under load a few confident requests that
+        keep drafting draft while the rest decode plainly."""
         self.last_plan = None
         count = len(lagged_survival)
         if self.costs is None:
@@ -242,12 +253,14 @@ class DSparkPolicy(VerifyPolicy):
             return [r == 0 and self.could_pay(count, block_size) for r in range(count)]
         fallback = [sum(col) / len(col) for col in zip(*known)]  # the average known request
         rows = [row if row else fallback for row in lagged_survival]
-        order = sorted(range(count), key=lambda r: -rows[r][0])
+        # most promising first; between equals, the one with less to catch up on
+        order = sorted(range(count), key=lambda r: (-rows[r][0], catch_up_positions[r] if catch_up_positions else 0))
         best_k, best_rate, best_rows = 0, self.costs.rate(count, count, 0), None  # plain decoding
         for k in candidate_counts(count):
             chosen = set(order[:k])
             drafted = [row if r in chosen else [] for r, row in enumerate(rows)]  # no row: does not draft
-            rate = self.expected_rate(drafted, k)
+            positions = sum(catch_up_positions[r] for r in chosen) if catch_up_positions else 0
+            rate = self.expected_rate(drafted, k, positions)
             if rate > best_rate:
                 best_k, best_rate, best_rows = k, rate, drafted
         if best_k:
@@ -266,16 +279,18 @@ class DSparkPolicy(VerifyPolicy):
         perfect = [[1.0] * block_size] + [[] for _ in range(num_decoding - 1)]
         return self.expected_rate(perfect, 1) > self.costs.rate(num_decoding, num_decoding, 0)
 
-    def expected_rate(self, survival: list[list[float]], num_drafting: int) -> float:
-        """Tokens per second if the requests with a row draft and `budgets` then picks from `survival`.
+    def expected_rate(self, survival: list[list[float]], num_drafting: int, catch_up_positions: int = 0) -> float:
+        """Tokens per second if the requests with a row draft (catching up on `catch_up_positions`
+        missed positions first) and `budgets` then picks from `survival`.
 
         The rule that will pick (Algorithm 1, early stop included), not the best budget of a global
         search: that one can be above what the step will verify, and drafting for it would then
         cost more than it returns, i.e. run slower than plain decoding."""
+        costs = self.costs.plus_catch_up(catch_up_positions)
         count = len(survival)
-        budgets = algorithm1(survival, self.costs, num_drafting)
+        budgets = algorithm1(survival, costs, num_drafting)
         expected = count + sum(sum(row[:budget]) for row, budget in zip(survival, budgets))
-        return self.costs.rate(expected, count + sum(budgets), num_drafting)
+        return costs.rate(expected, count + sum(budgets), num_drafting)
 
     def budgets(self, survival, draft_lengths, num_drafting):
         if self.costs is None:
@@ -293,12 +308,13 @@ class LaggedDSparkPolicy(DSparkPolicy):
         super().__init__()
         self.lagged_budget = 0
 
-    def expected_rate(self, survival, num_drafting):
-        _, rate = best_budget(survival, self.costs, num_drafting)  # the budget it will verify: a global search's
+    def expected_rate(self, survival, num_drafting, catch_up_positions=0):
+        # the budget it will verify: a global search's
+        _, rate = best_budget(survival, self.costs.plus_catch_up(catch_up_positions), num_drafting)
         return rate
 
-    def drafting(self, lagged_survival, block_size):
-        chosen = super().drafting(lagged_survival, block_size)
+    def drafting(self, lagged_survival, block_size, catch_up_positions=None):
+        chosen = super().drafting(lagged_survival, block_size, catch_up_positions)
         # The budget that pays best given that the drafter runs: also right for a step that drafts
         # only to refresh survivals (exploration), whose drafter cost is spent either way.
         self.lagged_budget = -1 if self.last_plan is None else self.last_plan[0]  # -1: verify whole blocks
