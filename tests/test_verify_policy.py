@@ -34,9 +34,10 @@ def costs(batch_tokens, seconds, drafter_requests=(), drafter_seconds=()):
                                 list(drafter_requests), list(drafter_seconds)))
 
 
-def decoding_request(request_id: str, length: int = 0) -> SimpleNamespace:
+def decoding_request(request_id: str, length: int = 0, max_tokens: int = 2) -> SimpleNamespace:
     """What the scheduler's drafting choice reads of a request: its id and how long it is."""
-    return SimpleNamespace(request_id=request_id, prompt_token_ids=[0] * length, output_token_ids=[])
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=[0] * length, output_token_ids=[],
+                           params=SimpleNamespace(max_tokens=max_tokens))
 
 
 def any_drafting(policy, lagged_survival, block_size=2) -> bool:
@@ -115,15 +116,17 @@ def test_a_long_catch_up_counts_against_drafting(target):
     # Two alike: the one that drafted last step (nothing to catch up on) drafts, alone.
     assert policy.drafting([[0.9, 0.81]] * 2, 2, [3000, 0]) == [False, True]
     # The scheduler counts what a request missed since it last drafted (its prompt, if it never did),
-    # beyond the step's worth the profiled draft already includes.
+    # beyond the step's worth the profiled draft already includes, spread over the steps it has left.
     scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16, block_size=2)
     request = decoding_request("r", length=300)
-    assert scheduler._catch_up_positions(request) == 298
+    assert scheduler._catch_up_positions(request) == 298  # its last step: all of it
+    request.params.max_tokens = 22  # 11 steps left
+    assert scheduler._catch_up_positions(request) == 298 // 11
     scheduler.survival["r"] = [0.9, 0.81]
     policy.costs = costs([1, 2, 3], [1.0, 1.05, 1.1], [1], [0.3])  # no catch-up cost: it drafts
     assert scheduler._drafting([request], StepStats())
     request.output_token_ids = [7, 8, 9]
-    assert scheduler._catch_up_positions(request) == 1
+    assert scheduler._catch_up_positions(request) == 0  # one position missed since, over 9 steps
 
 
 def test_requests_that_have_not_drafted_are_judged_by_what_finished_ones_found(target):

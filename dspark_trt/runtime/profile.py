@@ -253,26 +253,33 @@ CATCH_UP_POSITIONS = 256  # positions a timed long catch-up brings (a prompt's w
 @torch.inference_mode()
 def measure_catch_up(target, proposer, context_length: int = 128, repeats: int = 3) -> float:
     """Seconds each position beyond `KEPT_PER_STEP` adds to a 1-request draft: a draft after
-    `CATCH_UP_POSITIONS` new positions against one after `KEPT_PER_STEP`, on the same request."""
+    `CATCH_UP_POSITIONS` new positions against one after `KEPT_PER_STEP`, each on a fresh request
+    whose context was caught up first, fastest of at least 3 (a first long catch-up grows the
+    drafter's pool: a warm-up does that, untimed)."""
     from dspark_trt.runtime.request import Request
     from dspark_trt.runtime.sampling import SamplingParams
 
     width = len(proposer.feature_layers) * target.config.hidden_size
     generator = torch.Generator().manual_seed(0)
-    request = Request("profile-catch-up", list(range(1, context_length)), SamplingParams(temperature=0.0),
-                      torch.Generator())
-    request.output_token_ids = [1]
-    proposer.observe(request, torch.randn(context_length, width, generator=generator))
-    short, long = (torch.randn(count, width, generator=generator) for count in (KEPT_PER_STEP, CATCH_UP_POSITIONS))
-    try:
-        def draft_after(features):
-            proposer.observe(request, features)
-            proposer.propose([request])
 
-        seconds = [_best_seconds(lambda f=features: draft_after(f), repeats) for features in (short, long)]
-    finally:
-        proposer.release(request)
-    return max(0.0, (seconds[1] - seconds[0]) / (CATCH_UP_POSITIONS - KEPT_PER_STEP))
+    def draft_after(count: int) -> float:
+        request = Request("profile-catch-up", list(range(1, context_length)), SamplingParams(temperature=0.0),
+                          torch.Generator())
+        request.output_token_ids = [1]
+        try:
+            proposer.observe(request, torch.randn(context_length, width, generator=generator))
+            proposer.propose([request])  # its context caught up, untimed
+            proposer.observe(request, torch.randn(count, width, generator=generator))
+            start = time.perf_counter()
+            proposer.propose([request])
+            return time.perf_counter() - start
+        finally:
+            proposer.release(request)
+
+    draft_after(CATCH_UP_POSITIONS)
+    short, long = (min(draft_after(count) for _ in range(max(repeats, 3))) for count in (KEPT_PER_STEP,
+                                                                                        CATCH_UP_POSITIONS))
+    return max(0.0, (long - short) / (CATCH_UP_POSITIONS - KEPT_PER_STEP))
 
 
 def suffix_minimum(seconds: list[float]) -> list[float]:
