@@ -590,6 +590,10 @@ def test_logits_are_bit_identical_alone_and_in_any_mixed_batch(tiny_llama, conte
         assert torch.equal(torch.cat(rows), alone), trial
 
 
+# A flat target curve and nearly free drafts: every draft pays.
+DRAFTS_PAY = LatencyProfile("test", "cpu", [1, 256], [1.0, 1.0], [1, 64], [1e-3, 1e-3])
+
+
 @needs_kernel
 @pytest.mark.parametrize("options", [{}, {"prefix_layer": True, "shuffled_vocab": True}])
 def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama, options):
@@ -607,8 +611,10 @@ def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama, option
     while plain.has_unfinished():
         plain.step()
     for policy, seed in (("all", 0), ("fixed:2", 1), ("dspark", 2)):
+        # Under DRAFTS_PAY the dspark policy drafts whatever this machine's timings (a tiny target's
+        # measured step can make any draft too dear): the test checks speculation, not the clock.
         engine = Engine(target, DSparkProposer(drafter), max_batch_size=4, max_batch_tokens=40, max_model_len=128,
-                        policy=policy)
+                        policy=policy, profile=DRAFTS_PAY)
         order = random.Random(seed).sample(range(len(jobs)), len(jobs))
         requests, step = {}, 0
         while order or engine.has_unfinished():

@@ -53,9 +53,10 @@ def test_speculative_decoding_with_a_gpu_target_equals_plain(tiny_llama, drafter
     plain = LLM(target=tiny_llama, device="cuda", batch_invariant=True).generate(PROMPTS, GREEDY)
     for a, b in zip(plain, speculative.generate(PROMPTS, GREEDY)):
         assert a.token_ids == b.token_ids
-    if policy == "dspark":
+    if policy == "dspark":  # drafting is its choice from the measured profile: a tiny target may not pay for it
         assert speculative.engine.profile.backend == "torch-cuda"
-    assert speculative.engine.counters.num_draft_tokens > 0
+    else:
+        assert speculative.engine.counters.num_draft_tokens > 0
 
 
 def test_datagen_on_the_gpu_writes_what_the_cpu_writes(tiny_llama, tmp_path):
