@@ -217,16 +217,20 @@ def _load() -> ctypes.CDLL | None:
             forced = os.environ.get(ISA_VARIABLE, "auto").strip().lower() not in ("", "auto")
             candidates = [isa] if forced else supported_isas()
             failures = []
+            library = None
             for candidate in candidates:
                 try:
-                    _library, _isa = _open(compiler, candidate), candidate
+                    library = _open(compiler, candidate)
                     break
                 except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                     failures.append(f"it did not build for {candidate}: {exc}")
-            if _library is None:
+            if library is None:
                 _unavailable_reason = "; ".join(failures)
             else:
-                _layout = "pairs" if _library.dspark_weight_layout() == 1 else "widened"
+                # `_library` last: the lock-free check above hands it out at once, and a weight packed
+                # before `_layout` is set would get the other build's layout
+                _layout = "pairs" if library.dspark_weight_layout() == 1 else "widened"
+                _isa, _library = candidate, library
         return _library
 
 

@@ -176,6 +176,8 @@ class MarkovRows:
 
 
 class DSparkProposer(Proposer):
+    catches_up = True  # `observe` queues; `_catch_up` fuses what a request missed before its draft
+
     def __init__(self, drafter: DSparkDrafter):
         self.drafter = drafter.eval()
         config = drafter.config

@@ -310,9 +310,10 @@ def measure_latency_profile(target, proposer=None, max_batch_tokens: int = 256, 
         num_requests = _powers_of_two(max_requests)
         drafter_seconds = suffix_minimum(measure_drafter_curve(target, proposer, num_requests, repeats=repeats,
                                                                progress=progress))
-        catch_up = measure_catch_up(target, proposer, repeats=repeats)
-        if progress is not None:
-            progress(f"drafter catch-up: {catch_up * 1e6:.1f} us a position")
+        if proposer.catches_up:  # the others' drafts cost the same however long since the last
+            catch_up = measure_catch_up(target, proposer, repeats=repeats)
+            if progress is not None:
+                progress(f"drafter catch-up: {catch_up * 1e6:.1f} us a position")
     device = target.model.embed.device
     weight_dtype = getattr(target.model, "weight_dtype", torch.float32)  # other backends: their own name
     return LatencyProfile(backend=torch_backend_name(device, weight_dtype), device=device_name(device),

@@ -46,6 +46,9 @@ class Proposer(ABC):
     feature_layers: tuple[int, ...] = ()  # target layers whose outputs `observe` receives
     has_confidence: bool = False  # drafts carry `confidences`
     block_size: int = 1  # tokens per full draft block
+    # `observe` only queues features, and a draft first catches up on all it missed since the last
+    # (what the profile's `catch_up_seconds_per_position` measures, and the policy charges)
+    catches_up: bool = False
 
     @abstractmethod
     def propose(self, requests: list[Request]) -> list[Draft]:
