@@ -12,6 +12,7 @@ from dspark_trt import LLM, SamplingParams
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.runtime.profile import LatencyProfile
 from dspark_trt.runtime.proposer import Draft
+from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.scheduler import Scheduler
 from dspark_trt.runtime.stats import StepStats
 from dspark_trt.runtime.survival_feedback import SurvivalFeedback
@@ -34,10 +35,9 @@ def costs(batch_tokens, seconds, drafter_requests=(), drafter_seconds=()):
                                 list(drafter_requests), list(drafter_seconds)))
 
 
-def decoding_request(request_id: str, length: int = 0, max_tokens: int = 2) -> SimpleNamespace:
-    """What the scheduler's drafting choice reads of a request: its id and how long it is."""
-    return SimpleNamespace(request_id=request_id, prompt_token_ids=[0] * length, output_token_ids=[],
-                           params=SimpleNamespace(max_tokens=max_tokens))
+def decoding_request(request_id: str, length: int = 0, max_tokens: int = 2) -> Request:
+    """A request as the scheduler's drafting choice reads it: its id, its length, its token budget."""
+    return Request(request_id, [0] * length, SamplingParams(max_tokens=max_tokens, temperature=0.0), torch.Generator())
 
 
 def any_drafting(policy, lagged_survival, block_size=2) -> bool:

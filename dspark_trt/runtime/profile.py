@@ -208,6 +208,18 @@ def measure_target_curve(target, batch_tokens: list[int], context_length: int = 
 KEPT_PER_STEP = 2  # positions a decoding step keeps per request (the accepted drafts and the bonus): ~tau
 
 
+def _profile_request(proposer, request_id: str, context_length: int, width: int, generator: torch.Generator):
+    """A greedy request `context_length` tokens deep whose features (random, `width` wide) the
+    proposer has been handed: what a drafter timing starts from."""
+    from dspark_trt.runtime.request import Request
+    from dspark_trt.runtime.sampling import SamplingParams
+
+    request = Request(request_id, list(range(1, context_length)), SamplingParams(temperature=0.0), torch.Generator())
+    request.output_token_ids = [1]
+    proposer.observe(request, torch.randn(context_length, width, generator=generator))
+    return request
+
+
 @torch.inference_mode()
 def measure_drafter_curve(target, proposer, num_requests: list[int], context_length: int = 128,
                           repeats: int = 3, progress=None) -> list[float]:
@@ -216,18 +228,10 @@ def measure_drafter_curve(target, proposer, num_requests: list[int], context_len
     Each timed call first hands the proposer `KEPT_PER_STEP` new positions of target features
     per request, as a decoding step does (its catch-up, fusing them into the context, is part
     of what a draft costs the step)."""
-    from dspark_trt.runtime.request import Request
-    from dspark_trt.runtime.sampling import SamplingParams
-
     width = len(proposer.feature_layers) * target.config.hidden_size
     generator = torch.Generator().manual_seed(0)
-    requests = []
-    for i in range(max(num_requests)):
-        request = Request(f"profile-{i}", list(range(1, context_length)), SamplingParams(temperature=0.0),
-                          torch.Generator())
-        request.output_token_ids = [1]
-        proposer.observe(request, torch.randn(context_length, width, generator=generator))
-        requests.append(request)
+    requests = [_profile_request(proposer, f"profile-{i}", context_length, width, generator)
+                for i in range(max(num_requests))]
     seconds = []
     try:
         kept = torch.randn(KEPT_PER_STEP, width, generator=generator)
@@ -256,18 +260,12 @@ def measure_catch_up(target, proposer, context_length: int = 128, repeats: int =
     `CATCH_UP_POSITIONS` new positions against one after `KEPT_PER_STEP`, each on a fresh request
     whose context was caught up first, fastest of at least 3 (a first long catch-up grows the
     drafter's pool: a warm-up does that, untimed)."""
-    from dspark_trt.runtime.request import Request
-    from dspark_trt.runtime.sampling import SamplingParams
-
     width = len(proposer.feature_layers) * target.config.hidden_size
     generator = torch.Generator().manual_seed(0)
 
     def draft_after(count: int) -> float:
-        request = Request("profile-catch-up", list(range(1, context_length)), SamplingParams(temperature=0.0),
-                          torch.Generator())
-        request.output_token_ids = [1]
+        request = _profile_request(proposer, "profile-catch-up", context_length, width, generator)
         try:
-            proposer.observe(request, torch.randn(context_length, width, generator=generator))
             proposer.propose([request])  # its context caught up, untimed
             proposer.observe(request, torch.randn(count, width, generator=generator))
             start = time.perf_counter()

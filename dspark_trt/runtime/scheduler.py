@@ -40,11 +40,6 @@ PROMPT_LOGPROBS_ROWS = 256
 PRIOR_WEIGHT = 0.25  # a finished request's share in the survival prior for requests that have not drafted
 
 
-def sequence_length(request: Request) -> int:
-    """Tokens a request has committed: its prompt and its output."""
-    return len(request.prompt_token_ids) + len(request.output_token_ids)
-
-
 @dataclass
 class Feed:
     """What one request feeds the target this step."""
@@ -157,7 +152,7 @@ class Scheduler:
             self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
         for request in drafting:
             self.last_drafted[request.request_id] = self.num_steps
-            self.drafted_length[request.request_id] = sequence_length(request)
+            self.drafted_length[request.request_id] = request.num_tokens
         self._inputs_changed = self._inputs_changed or bool(drafting)  # a draft updates survivals and costs
         stats.scheduler_seconds += time.perf_counter() - tick
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
@@ -177,7 +172,7 @@ class Scheduler:
         tokens a step). A catch-up is paid once and lets every later step draft; charged whole to
         one step it made a request that paused look dearer the longer it paused, so it never
         resumed (measured: batch-1 GSM8K ~15% slower with the whole catch-up charged to one step)."""
-        missed = max(0, sequence_length(request) - self.drafted_length.get(request.request_id, 0) - KEPT_PER_STEP)
+        missed = max(0, request.num_tokens - self.drafted_length.get(request.request_id, 0) - KEPT_PER_STEP)
         steps_left = max(1, (request.params.max_tokens - len(request.output_token_ids)) // KEPT_PER_STEP)
         return missed // steps_left
 
