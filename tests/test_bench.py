@@ -50,6 +50,8 @@ def test_rounds_report_the_median_round_and_every_failure():
     assert median["total_tok_s"] == 200.0 and median["num_failed"] == 2
     assert [r["per_user_tok_s"] for r in median["rounds"]] == [30.0, 10.0, 20.0]
     assert "rounds" not in runs[0] and median_run(runs[:1]) is runs[0]  # one round: the run itself
+    even = median_run(runs[:2])  # two rounds: the lower of each, as measured (no mean of two)
+    assert even["per_user_tok_s"] == 10.0 and even["total_tok_s"] == 100.0
 
 
 def test_bench_against_a_real_server(tiny_factory, tmp_path):

@@ -201,6 +201,15 @@ logits[1, 7] = float("nan")
 logits[3, 100:200] = 5.0
 results["argmax"] = cpu_kernels.argmax(logits)
 results["top probability logit"] = cpu_kernels.top_probability_logit(logits, 13.8)
+from dspark_trt.runtime.sampling import mixed_seed
+ids = torch.randperm(50000, generator=generator)[:20003]
+results["gumbel noise"] = cpu_kernels.gumbel_noise(mixed_seed(11, 3), ids)
+scores = torch.log_softmax(torch.randn(6, 20003, generator=generator) * 3, -1)
+scores[2] = float("-inf")
+scores[4, 17] = float("nan")
+keys = [mixed_seed(seed, 5) for seed in range(6)]
+results["gumbel argmax"] = torch.tensor(cpu_kernels.gumbel_argmax(scores, keys))
+results["gumbel argmax ids"] = torch.tensor(cpu_kernels.gumbel_argmax(scores, keys, ids))
 for name, folder in folders.items():
     model = load_target(folder, torch.bfloat16).model
     assert model._runs_cpu_kernels()  # one C pass per step
@@ -253,6 +262,7 @@ def test_each_isa_build_computes_the_fp32_reference(isa_outputs, isa):
     its whole decoder passes against the fp32 model within bf16's precision."""
     from dspark_trt.models.drafter import top_probability_logit
     from dspark_trt.models.target import grouped_attention
+    from dspark_trt.runtime.sampling import gumbel_noise, mixed_seed
 
     got = isa_outputs(isa)
     rounds_inputs = isa == "amx"
@@ -287,6 +297,18 @@ def test_each_isa_build_computes_the_fp32_reference(isa_outputs, isa):
     assert torch.isnan(top[1]) and not torch.isnan(top[[0, 2, 3, 4]]).any()
     torch.testing.assert_close(top[[0, 2, 3, 4]], top_probability_logit(logits[[0, 2, 3, 4]]).clamp(max=13.8),
                                rtol=1e-5, atol=2e-6)
+    # Seeded sampling's noise: the hash bit for bit, the logs within an ulp or two of PyTorch's;
+    # the Gumbel-max token over 3 of the kernel's chunks, with and without column ids, an all -inf
+    # row (index 0) and a NaN (its index), as torch.argmax gives them.
+    ids = torch.randperm(50000, generator=generator)[:20003]
+    torch.testing.assert_close(got["gumbel noise"], gumbel_noise(mixed_seed(11, 3), ids), rtol=1e-12, atol=1e-14)
+    scores = torch.log_softmax(torch.randn(6, 20003, generator=generator) * 3, -1)
+    scores[2] = float("-inf")
+    scores[4, 17] = float("nan")
+    keys = [mixed_seed(seed, 5) for seed in range(6)]
+    for name, column_ids in (("gumbel argmax", torch.arange(20003)), ("gumbel argmax ids", ids)):
+        expected = [int(torch.argmax(row.double() + gumbel_noise(key, column_ids))) for row, key in zip(scores, keys)]
+        assert got[name].tolist() == expected and expected[2] == 0 and expected[4] == 17, name
     for name, folder in isa_outputs.folders.items():
         model = load_target(folder, torch.bfloat16).model.float()  # the same rounded weights, PyTorch fp32 ops
         assert not model._runs_cpu_kernels()

@@ -1,6 +1,6 @@
 """Our CPU kernels (`cpu_kernels.c`): fp32 rows times bf16 weights packed once, attention, a
 whole decoder pass in one call (`FusedDecoder`), a DSpark drafter's context step (`FusedContext`),
-argmax and the logit of a distribution's top probability.
+argmax, the logit of a distribution's top probability, and a seeded request's Gumbel-max token.
 
 What it owns: choosing the instruction set the kernels are built for (`isa()`: the best this CPU
 has, from /proc/cpuinfo), compiling the C kernels for it with the system's `gcc` (once per kernel
@@ -189,6 +189,10 @@ def _open(compiler: str, isa: str) -> ctypes.CDLL:
     library.dspark_argmax.restype = None
     library.dspark_top_probability_logit.argtypes = [void, long_, long_, long_, ctypes.c_float, void]
     library.dspark_top_probability_logit.restype = None
+    library.dspark_gumbel_argmax.argtypes = [void, long_, long_, long_, void, void, void]
+    library.dspark_gumbel_argmax.restype = ctypes.c_int
+    library.dspark_gumbel_noise.argtypes = [ctypes.c_uint64, void, long_, void]
+    library.dspark_gumbel_noise.restype = None
     library.dspark_start_threads.argtypes = [ctypes.c_int]
     library.dspark_start_threads.restype = ctypes.c_int
     library.dspark_start_threads(torch.get_num_threads())  # as many as PyTorch uses
@@ -371,6 +375,35 @@ def top_probability_logit(x: torch.Tensor, cap: float) -> torch.Tensor:
         _library.dspark_top_probability_logit(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
                                               cap, out.data_ptr())
     return out.view(x.shape[:-1])
+
+
+def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None) -> list[int]:
+    """`x [rows, n]` (log-probabilities) and a 64-bit noise key per row -> each row's
+    `argmax(x + noise)`, the noise of token `ids[i]` (or `i`) under the row's key being the
+    Gumbel noise `runtime/sampling.py: gumbel_noise` defines (the same hash; the C side's logs are
+    its own, within an ulp or two of PyTorch's). Summed in float64; the first maximum wins, a NaN
+    counts as the maximum (as `torch.argmax`). Needs `available()`."""
+    rows, n = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        x = x.float().contiguous()
+    if ids is not None and (ids.dtype != torch.int64 or not ids.is_contiguous() or ids.shape != (n,)):
+        ids = ids.to(torch.int64).contiguous().view(n)
+    out = torch.empty(rows, dtype=torch.long)
+    if rows and n:
+        key_array = (ctypes.c_uint64 * rows)(*keys)
+        if _library.dspark_gumbel_argmax(x.data_ptr(), rows, n, x.stride(0), key_array,
+                                         None if ids is None else ids.data_ptr(), out.data_ptr()):
+            raise MemoryError("the Gumbel-max kernel could not allocate its scratch")
+    return out.tolist()
+
+
+def gumbel_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """The C side's noise of token `ids [n]` under `key` `[n]` float64 (to test it against
+    `sampling.gumbel_noise`, which defines it). Needs `available()`."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], dtype=torch.float64)
+    _library.dspark_gumbel_noise(key, ids.data_ptr(), ids.shape[0], out.data_ptr())
+    return out
 
 
 def _require_fp32_contiguous(**tensors: torch.Tensor) -> None:

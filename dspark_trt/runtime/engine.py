@@ -148,7 +148,7 @@ class Engine:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             generator=params.make_generator(),
-            noise=PositionNoise(params.seed, self.target.config.vocab_size) if params.seeded_sampling else None,
+            noise=PositionNoise(params.seed) if params.seeded_sampling else None,
         )
 
     def enqueue(self, request: Request) -> None:

@@ -61,8 +61,6 @@ class OutputProcessor:
                 break
         if not params.stop:
             self._update_text(request)
-        if request.noise is not None:
-            request.noise.forget_before(len(request.output_token_ids))  # committed positions are drawn
         if params.logprobs is not None and appended:
             request.output_logprobs.extend(token_logprobs(rows, tokens[:appended], params, params.logprobs))
         if not request.finished and not request.in_prefill and len(request.output_token_ids) >= params.max_tokens:

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.sampling import coupled_token, greedy_tokens, sample
+from dspark_trt.runtime.sampling import coupled_tokens, greedy_tokens, sample
 
 
 @dataclass
@@ -88,11 +88,11 @@ def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int,
     scaled = logits.float() / temperatures[:, None]
     probs = torch.softmax(scaled, dim=-1)
     for i in sampled:
-        noise = requests[i].noise_at(offset)
-        if noise is None:
+        noise_key = requests[i].noise_key(offset)
+        if noise_key is None:
             choice[i] = sample(probs[i], requests[i].generator)
         else:
-            choice[i] = coupled_token(torch.log_softmax(scaled[i], dim=-1), noise[draft_vocab])
+            choice[i] = coupled_tokens(torch.log_softmax(scaled[i : i + 1], dim=-1), [noise_key], draft_vocab)[0]
     return choice, probs
 
 

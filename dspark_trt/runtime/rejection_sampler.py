@@ -37,13 +37,13 @@ def rejection_sample(feeds: list[Feed], logits: list[torch.Tensor]) -> list[Verd
         request = feed.request
         if feed.is_prefill:
             emits = feed.completes_prompt and request.params.max_tokens > 0
-            tokens = [next_token(rows[-1], request.params, request.generator, request.noise_at(0))] if emits else []
+            tokens = [next_token(rows[-1], request.params, request.generator, request.noise_key(0))] if emits else []
             verdicts.append(Verdict(tokens, 0))
             continue
         draft, params = feed.draft, request.params
         if request.noise is not None:  # seeded: the same tokens whether drafted or not
-            noise = [request.noise_at(k) for k in range(len(rows))]
-            num_accepted, final_token = verify_draft_coupled(draft.tokens, target_logprobs(rows, params), noise)
+            keys = [request.noise_key(k) for k in range(len(rows))]
+            num_accepted, final_token = verify_draft_coupled(draft.tokens, target_logprobs(rows, params), keys)
         else:  # greedy verification reads the argmax only: the logits will do, no point masses built
             num_accepted, final_token = verify_draft(draft.tokens, draft.probs,
                                                      rows if params.greedy else target_probs(rows, params),

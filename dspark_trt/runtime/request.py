@@ -107,11 +107,11 @@ class Request:
     # None for the first (nothing precedes it).
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    noise: PositionNoise | None = None  # a seeded sampled request's per-position noise (sampling.py)
+    noise: PositionNoise | None = None  # a seeded sampled request's per-position noise keys (sampling.py)
 
-    def noise_at(self, offset: int) -> torch.Tensor | None:
-        """The noise of the output position `offset` tokens past the committed ones (None: not seeded)."""
-        return None if self.noise is None else self.noise.at(len(self.output_token_ids) + offset)
+    def noise_key(self, offset: int) -> int | None:
+        """The noise key of the output position `offset` tokens past the committed ones (None: not seeded)."""
+        return None if self.noise is None else self.noise.key(len(self.output_token_ids) + offset)
 
     @property
     def in_prefill(self) -> bool:

@@ -19,8 +19,8 @@ the batch.
 A *seeded* sampled request goes further: its tokens do not depend on how many drafts were
 verified either, so the same seed gives the same text under any policy, load or drafter (given
 the same target logits). Its token at output position i is `argmax(logprobs_i + g_i)` (the
-Gumbel-max trick: exactly a sample from `p_i`), with noise `g_i` drawn from a generator seeded by
-(seed, i) alone (`PositionNoise`). Plain decoding emits that token; verification
+Gumbel-max trick: exactly a sample from `p_i`), with noise `g_i` a hash of (seed, i) and the token
+id alone (`PositionNoise`, `gumbel_noise`). Plain decoding emits that token; verification
 (`verify_draft_coupled`) accepts a draft token iff it *is* that token and otherwise emits it, so
 the output is the same function of the noise either way, hence lossless. The drafter proposes
 `argmax(log q_i + g_i)` with the same noise, so it agrees with the target whenever q is close to
@@ -126,13 +126,13 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-               noise: torch.Tensor | None = None) -> int:
+               noise_key: int | None = None) -> int:
     """The token a request emits from its logits `[vocab]`: the argmax when greedy, else a sample
-    (`coupled_token` with the position's noise, for a seeded request)."""
+    (`coupled_token` with the position's noise key, for a seeded request)."""
     if params.greedy:
         return int(greedy_tokens(logits[None])[0])
-    if noise is not None:
-        return coupled_token(target_logprobs(logits[None], params)[0], noise)
+    if noise_key is not None:
+        return coupled_token(target_logprobs(logits[None], params)[0], noise_key)
     return sample(target_probs(logits[None], params)[0], generator)
 
 
@@ -243,44 +243,68 @@ def mixed_seed(seed: int, index: int) -> int:
     return mixed ^ (mixed >> 31)
 
 
+def gumbel_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise of token ids `[n]` under a 64-bit key `[n]` (float64): the definition, which
+    our CPU kernel computes in one vector pass (`kernels/cpu_kernels.c`, ~0.1 ms over a 49k
+    vocabulary against ~1 ms for a seeded generator's float64 stream). A counter-based hash, so each
+    token's noise is its own (the drafter's smaller vocabulary reads the target's values):
+    h1 = fmix32(id ^ key_lo), h2 = fmix32(h1 ^ key_hi), h3 = fmix32(h2 + 0x9E3779B9) (murmur3's
+    finaliser), u = ((h2 << 20 | h3 >> 12) + 1/2) / 2^52 in [2^-53, 1 - 2^-53], g = -log(-log u).
+    52 bits reach g = 36.7: a token e^-36 below the top one can still be drawn."""
+    mask = 0xFFFFFFFF
+
+    def fmix32(h: torch.Tensor) -> torch.Tensor:  # uint32 arithmetic in int64 (products wrap; the low bits are exact)
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) & mask
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) & mask
+        return h ^ (h >> 16)
+
+    ids = ids.to(torch.int64) & mask
+    h2 = fmix32(fmix32(ids ^ (key & mask)) ^ (key >> 32))
+    h3 = fmix32((h2 + 0x9E3779B9) & mask)
+    uniform = (((h2 << 20) | (h3 >> 12)).double() + 0.5) * 2.0**-52
+    return uniform.log().neg_().log_().neg_()
+
+
 class PositionNoise:
-    """Gumbel noise `[vocab]` for each output position of a seeded request, drawn from a generator
-    seeded by (seed, position) only, kept until the position is committed (the drafter and the
-    verification read the same vectors)."""
+    """The noise keys of a seeded request's output positions: position i's Gumbel noise is
+    `gumbel_noise(key(i), ids)`, a function of (seed, i) only, so the drafter and the verification
+    read the same values whenever and in whatever order they ask."""
 
-    def __init__(self, seed: int, vocab_size: int):
+    def __init__(self, seed: int):
         self.seed = seed
-        self.vocab_size = vocab_size
-        self._noise: dict[int, torch.Tensor] = {}
-        self._generator = torch.Generator()
 
-    def at(self, position: int) -> torch.Tensor:
-        noise = self._noise.get(position)
-        if noise is None:
-            self._generator.manual_seed(mixed_seed(self.seed, position))
-            # float64: float32 uniforms cap the noise near 16.6, so tokens e^-17 below the top one
-            # could never be drawn; float64's reach e^-37.
-            uniform = torch.rand(self.vocab_size, generator=self._generator, dtype=torch.float64).clamp_min_(1e-300)
-            noise = self._noise[position] = uniform.log_().neg_().log_().neg_()  # -log(-log u)
-        return noise
-
-    def forget_before(self, position: int) -> None:
-        for old in [p for p in self._noise if p < position]:
-            del self._noise[old]
+    def key(self, position: int) -> int:
+        return mixed_seed(self.seed, position)
 
 
-def coupled_token(logprobs: torch.Tensor, noise: torch.Tensor) -> int:
-    """The token a seeded request emits at a position: `argmax(logprobs + noise)` over `[vocab]`."""
-    return int(torch.argmax(logprobs + noise))
+def coupled_tokens(logprobs: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None) -> list[int]:
+    """The token a seeded request emits at each of some positions: `argmax(logprobs[k] + noise_k)`
+    over `[n, vocab]`, noise_k = `gumbel_noise(keys[k], ids)` (`ids`: the token ids of the columns,
+    default 0..vocab-1), summed in float64. Our CPU kernel where it runs, else PyTorch: the same
+    noise up to the last bits of the logs, so a tie that close is the only way the two could part."""
+    if logprobs.is_cpu:
+        from dspark_trt.kernels import cpu_kernels
+
+        if cpu_kernels.available():
+            return cpu_kernels.gumbel_argmax(logprobs, keys, ids)
+    ids = torch.arange(logprobs.shape[-1]) if ids is None else ids.cpu()
+    return [int(torch.argmax(row.double().cpu() + gumbel_noise(key, ids))) for row, key in zip(logprobs, keys)]
 
 
-def verify_draft_coupled(draft_tokens: list[int], logprobs: torch.Tensor,
-                         noise: list[torch.Tensor]) -> tuple[int, int]:
+def coupled_token(logprobs: torch.Tensor, key: int) -> int:
+    """`coupled_tokens` at one position: logprobs `[vocab]`."""
+    return coupled_tokens(logprobs[None], [key])[0]
+
+
+def verify_draft_coupled(draft_tokens: list[int], logprobs: torch.Tensor, keys: list[int]) -> tuple[int, int]:
     """`verify_draft` for a seeded request: logprobs `[l + 1, vocab]` (`target_logprobs`) and the
-    noise of those `l + 1` output positions. Accepts the drafts that equal the request's own sample
-    at their position; returns (number accepted, the sample at the first mismatch or after the last)."""
+    noise keys of those `l + 1` output positions. Accepts the drafts that equal the request's own
+    sample at their position; returns (number accepted, the sample at the first mismatch or after
+    the last). Position by position: a mismatch ends it, and no later position's noise is drawn."""
     for k, token in enumerate(draft_tokens):
-        target = coupled_token(logprobs[k], noise[k])
+        target = coupled_token(logprobs[k], keys[k])
         if token != target:
             return k, target
-    return len(draft_tokens), coupled_token(logprobs[len(draft_tokens)], noise[len(draft_tokens)])
+    return len(draft_tokens), coupled_token(logprobs[len(draft_tokens)], keys[len(draft_tokens)])

@@ -195,12 +195,14 @@ def measure_run(base: str, model: str, label: str, prompts, concurrency: int, te
 
 def median_run(runs: list[dict]) -> dict:
     """One point's rounds -> the round with the median per-user speed (its latencies and tau), with
-    the median total speed, every round's two speeds, and the failures of all rounds (none hidden)."""
+    the median total speed, every round's two speeds, and the failures of all rounds (none hidden).
+    With an even number of rounds both medians are the lower one: a speed some round measured,
+    never the mean of two (which the per-user median could not be, being a whole round)."""
     if len(runs) == 1:
         return runs[0]
     ordered = sorted(runs, key=lambda r: r["per_user_tok_s"] or 0.0)
     median = dict(ordered[(len(ordered) - 1) // 2])
-    median["total_tok_s"] = statistics.median(r["total_tok_s"] for r in runs)
+    median["total_tok_s"] = statistics.median_low(r["total_tok_s"] for r in runs)
     median["num_failed"] = sum(r["num_failed"] for r in runs)
     median["rounds"] = [{"per_user_tok_s": r["per_user_tok_s"], "total_tok_s": r["total_tok_s"],
                          "accept_length": r["accept_length"]} for r in runs]
