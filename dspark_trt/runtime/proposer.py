@@ -76,23 +76,27 @@ class CallableProposer(Proposer):
 def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int,
                 draft_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft position for each request, `offset` tokens past its committed ones: logits
-    `[N, V_d]` -> chosen ids `[N]` and, when any request samples, the distributions `[N, V_d]`
-    they were drawn from (rows of greedy and seeded requests are computed but unused:
-    verification compares their tokens). A seeded request draws with its own noise at that
-    position (`sampling.PositionNoise`; `draft_vocab` `[V_d]` maps draft ids to the target's)."""
+    `[N, V_d]` -> chosen ids `[N]` and, when any request's verification reads them
+    (`reads_draft_probs`), the distributions `[N, V_d]` they were drawn from (rows of the others
+    are computed but unused). A seeded request draws with its own noise at that position
+    (`sampling.PositionNoise`; `draft_vocab` `[V_d]` maps draft ids to the target's), all of
+    them in one kernel call."""
     choice = greedy_tokens(logits)
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return choice, None
     temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
     scaled = logits.float() / temperatures[:, None]
+    seeded = [i for i in sampled if requests[i].noise is not None]
+    if seeded:
+        keys = [requests[i].noise_key(offset) for i in seeded]
+        choice[seeded] = torch.tensor(coupled_tokens(torch.log_softmax(scaled[seeded], dim=-1), keys, draft_vocab))
+    if len(seeded) == len(sampled):
+        return choice, None
     probs = torch.softmax(scaled, dim=-1)
     for i in sampled:
-        noise_key = requests[i].noise_key(offset)
-        if noise_key is None:
+        if requests[i].noise is None:
             choice[i] = sample(probs[i], requests[i].generator)
-        else:
-            choice[i] = coupled_tokens(torch.log_softmax(scaled[i : i + 1], dim=-1), [noise_key], draft_vocab)[0]
     return choice, probs
 
 
