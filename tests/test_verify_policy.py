@@ -2,6 +2,7 @@
 (the paper's appendix-A counterexample, run through the real verifier), the lagged and
 threshold policies, skipping the drafter under load, and losslessness in the engine."""
 
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.scheduler import Scheduler
 from dspark_trt.runtime.stats import StepStats
-from dspark_trt.runtime.survival_feedback import GROUP_DECAY, SurvivalFeedback
+from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.sampling import sample, verify_draft
 from dspark_trt.models.drafter_io import save_drafter
 from dspark_trt.models.loading import load_target
@@ -141,16 +142,12 @@ def test_requests_that_have_not_drafted_are_judged_by_what_finished_ones_found(t
         scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
                               block_size=2, explore_every=1000)
         scheduler.survival["done"] = survival
-        scheduler.finish(decoding_request("done"))
-        assert scheduler.prior == {("greedy",): survival}
+        scheduler.finish(SimpleNamespace(request_id="done", cache=None))
+        assert scheduler.prior == survival
         assert bool(scheduler._drafting([first, second], StepStats())) is drafts, survival
-        # A request of another group (sampled, T=1) is not judged by the greedy ones: nothing known, it tries.
-        sampled = Request("sampled", [], SamplingParams(max_tokens=2, temperature=1.0), torch.Generator())
-        scheduler._inputs_changed = True
-        assert scheduler._drafting([sampled], StepStats()) == [sampled]
     scheduler.survival["later"] = [0.15, 0.11]
-    scheduler.finish(decoding_request("later"))
-    assert scheduler.prior[("greedy",)] == pytest.approx([0.75 * 0.95 + 0.25 * 0.15, 0.75 * 0.9 + 0.25 * 0.11])
+    scheduler.finish(SimpleNamespace(request_id="later", cache=None))
+    assert scheduler.prior == pytest.approx([0.75 * 0.95 + 0.25 * 0.15, 0.75 * 0.9 + 0.25 * 0.11])
 
 
 def test_drafting_is_judged_by_the_rule_that_will_verify():
@@ -234,22 +231,6 @@ def test_survival_feedback_scales_what_the_policy_sees_by_what_verification_foun
     assert feedback.factor("r") == 1.0
 
 
-def test_a_new_request_starts_from_what_its_group_found():
-    """The group's totals (decayed by GROUP_DECAY per verification) set where a request without
-    evidence of its own starts; its own verifications then take over."""
-    feedback = SurvivalFeedback(prior_tokens=2.0)
-    group, other = ("coupled", 1.0, 1.0, 0), ("greedy",)
-    for _ in range(30):
-        feedback.record("old", [0.9, 0.8], 0, group)  # 1.7 predicted a verification, none accepted
-    predicted = sum(1.7 * GROUP_DECAY**k for k in range(30))
-    assert feedback.group_factor(group) == pytest.approx(2.0 / (predicted + 2.0))
-    assert feedback.factor("new", group) == pytest.approx(feedback.group_factor(group))
-    assert feedback.factor("new", other) == 1.0 and feedback.factor("new") == 1.0  # no evidence there
-    for _ in range(20):
-        feedback.record("new", [0.5], 1, group)  # this one's drafts all survive
-    assert feedback.factor("new", group) > 1.5  # its own evidence outweighs the group's
-
-
 def test_an_overconfident_drafter_stops_being_drafted_for(target):
     """The scheduler hands the policy survivals corrected by the request's verifications: drafts
     predicted to survive 90% that the target keeps rejecting stop being drafted."""
@@ -263,17 +244,8 @@ def test_an_overconfident_drafter_stops_being_drafted_for(target):
     for _ in range(5):
         scheduler.record_verification(request, verified, 0)
     assert not scheduler._drafting([request], StepStats())
-    scheduler.finish(request)
-    # Its own totals go; what its group found stays, and is where the next such request starts.
-    group = ("greedy",)
-    assert "r" not in scheduler.feedback.predicted
-    assert scheduler.feedback.factor("next", group) == scheduler.feedback.group_factor(group) < 0.5
-    newcomer = decoding_request("next")
-    scheduler.survival["next"] = [0.9, 0.81]
-    assert not scheduler._drafting([newcomer], StepStats())  # not re-learnt from 1 request by request
-    sampled = Request("sampled", [], SamplingParams(max_tokens=2, temperature=1.0, seed=3), torch.Generator())
-    scheduler.survival["sampled"] = [0.9, 0.81]
-    assert scheduler._drafting([sampled], StepStats())  # another group (coupled, T=1): trusted as calibrated
+    scheduler.finish(SimpleNamespace(request_id="r", cache=None))
+    assert scheduler.feedback.factor("r") == 1.0
 
 
 def test_measured_draft_costs_scale_the_profiled_ones():

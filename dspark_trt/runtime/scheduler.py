@@ -30,7 +30,7 @@ from dspark_trt.runtime.profile import KEPT_PER_STEP
 from dspark_trt.runtime.proposer import Draft
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.stats import StepStats
-from dspark_trt.runtime.survival_feedback import Group, SurvivalFeedback, acceptance_group
+from dspark_trt.runtime.survival_feedback import SurvivalFeedback
 from dspark_trt.runtime.verify_policy import VerifyPolicy, prefix_survival
 
 # A prompt whose tokens are scored (prompt_logprobs) needs a logit row per token: one step gives
@@ -82,10 +82,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Prefix survivals of each request's latest block: the lagged input of `drafting`.
         self.survival: dict[str, list[float]] = {}
-        # What finished requests' drafts survived (a running mean per acceptance group): how a request
-        # that has not drafted yet is judged, rather than letting it try whenever no running request
-        # of its group has drafted.
-        self.prior: dict[Group, list[float]] = {}
+        # What finished requests' drafts survived (a running mean): how a request that has not
+        # drafted yet is judged, rather than letting it try whenever no running request has drafted.
+        self.prior: list[float] | None = None
         # What verification found so far, per request: scales the survivals the policy sees.
         self.feedback = SurvivalFeedback()
         self.steps_since_draft = 0
@@ -131,9 +130,9 @@ class Scheduler:
         ids = tuple(r.request_id for r in decoding)
         if self._inputs_changed or self._last_choice is None or self._last_choice[0] != ids:
             lagged = [self.survival.get(r.request_id) for r in decoding]
-            # A request that has not drafted yet is judged by what finished requests of its group
-            # drafted and kept (None before any has: the policy then lets one try).
-            chosen = self.policy.drafting([self._corrected(r, row) if row else self.prior.get(self._group(r))
+            # A request that has not drafted yet is judged by what finished requests' drafts survived
+            # (None before any has: the policy then lets one try).
+            chosen = self.policy.drafting([self.feedback.correct(r.request_id, row) if row else self.prior
                                            for r, row in zip(decoding, lagged)], self.block_size,
                                           [self._catch_up_positions(r) for r in decoding])
             self._last_choice, self._inputs_changed = (ids, chosen), False
@@ -159,20 +158,12 @@ class Scheduler:
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
         return drafting
 
-    @staticmethod
-    def _group(request: Request) -> Group:
-        return acceptance_group(request.params, request.noise is not None)
-
-    def _corrected(self, request: Request, survival: list[float]) -> list[float]:
-        return self.feedback.correct(request.request_id, survival, self._group(request))
-
-    def _update_prior(self, group: Group, row: list[float]) -> None:
-        """Fold a finished request's last (corrected) survivals into its group's prior for new requests."""
-        prior = self.prior.get(group)
-        if prior is None or len(prior) != len(row):
-            self.prior[group] = list(row)
+    def _update_prior(self, row: list[float]) -> None:
+        """Fold a finished request's last (corrected) survivals into the prior for new requests."""
+        if self.prior is None or len(self.prior) != len(row):
+            self.prior = list(row)
         else:
-            self.prior[group] = [(1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * new for old, new in zip(prior, row)]
+            self.prior = [(1 - PRIOR_WEIGHT) * old + PRIOR_WEIGHT * new for old, new in zip(self.prior, row)]
 
     def _catch_up_positions(self, request: Request) -> int:
         """The catch-up this step's draft for `request` is charged, in positions: the positions it
@@ -225,7 +216,7 @@ class Scheduler:
                        request.params.max_tokens - len(request.output_token_ids) - 1)
             lengths.append(max(0, min(len(draft.tokens), room)))
             row = prefix_survival(draft.confidences.tolist()) if draft.confidences is not None else []
-            survival.append(self._corrected(request, row))
+            survival.append(self.feedback.correct(request.request_id, row))
             if row:
                 self.survival[request.request_id] = row  # as drafted: corrected when used
         budgets = self.policy.budgets(survival, lengths, len(plan.drafting))  # the drafter ran for these
@@ -236,8 +227,7 @@ class Scheduler:
     def record_verification(self, request: Request, verified: Draft, num_accepted: int) -> None:
         """The engine verified `verified` (the block as cut) and the target accepted `num_accepted`."""
         if verified.confidences is not None and verified.tokens:
-            self.feedback.record(request.request_id, prefix_survival(verified.confidences.tolist()), num_accepted,
-                                 self._group(request))
+            self.feedback.record(request.request_id, prefix_survival(verified.confidences.tolist()), num_accepted)
 
     def finish(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its KV slot."""
@@ -247,7 +237,7 @@ class Scheduler:
             self.running.remove(request)
         row = self.survival.pop(request.request_id, None)
         if row:
-            self._update_prior(self._group(request), self._corrected(request, row))
+            self._update_prior(self.feedback.correct(request.request_id, row))
         self.last_drafted.pop(request.request_id, None)
         self.drafted_length.pop(request.request_id, None)
         self.feedback.forget(request.request_id)
