@@ -51,6 +51,10 @@ def test_the_kernels_coupled_tokens_are_the_references():
     expected = [int(torch.argmax(row.double() + gumbel_noise(key, torch.arange(49152))))
                 for row, key in zip(logprobs, keys)]
     assert coupled_tokens(logprobs, keys) == expected
+    logits, temperatures = logprobs * 3.0 + 1.5, [0.5 + 0.25 * k for k in range(8)]  # raw logits, 1 / T each
+    expected = [int(torch.argmax(row.double() * (1.0 / t) + gumbel_noise(key, torch.arange(49152))))
+                for row, key, t in zip(logits, keys, temperatures)]
+    assert coupled_tokens(logits, keys, scales=[1.0 / t for t in temperatures]) == expected
     subset = torch.randperm(49152, generator=generator)[:8192]
     expected = [int(torch.argmax(row.double() + gumbel_noise(key, subset))) for row, key in zip(logprobs[:, subset], keys)]
     assert coupled_tokens(logprobs[:, subset], keys, subset) == expected

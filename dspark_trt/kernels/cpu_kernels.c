@@ -1142,8 +1142,8 @@ void dspark_top_probability_logit(const float *x, long rows, long n, long ld, fl
 }
 
 /* ---- seeded sampling: Gumbel-max over counter-based noise ------------------------------------
- * out[r] = argmax over i of (x[r][i] + g(keys[r], id_i)), id_i = ids[i] (i without ids), summed
- * in double; NaN counting as the maximum and the first maximum winning ties (as torch.argmax).
+ * out[r] = argmax over i of (x[r][i] * scales[r] + g(keys[r], id_i)), id_i = ids[i] (i without ids),
+ * in double (scales: 1 / temperature over raw logits, 1 over log-probabilities); NaN counting as the maximum and the first maximum winning ties (as torch.argmax).
  * The noise of token id under a key, defined here and by its reference `runtime/sampling.py:
  * gumbel_noise` (the same hash; its logs are PyTorch's, equal to these within an ulp or two):
  *     h1 = fmix32(id ^ key_lo), h2 = fmix32(h1 ^ key_hi), h3 = fmix32(h2 + 0x9E3779B9)
@@ -1225,7 +1225,8 @@ void dspark_gumbel_noise(uint64_t key, const int64_t *ids, long n, double *out) 
  * (score NaN). Chunks of a row are searched apart (in parallel) and combined in order. */
 typedef struct { double score; long index; } gumbel_best;
 
-static gumbel_best chunk_gumbel_argmax(const float *x, long first, long last, uint64_t key, const int64_t *ids) {
+static gumbel_best chunk_gumbel_argmax(const float *x, long first, long last, uint64_t key, double scale,
+                                       const int64_t *ids) {
     const uint32_t key_lo = (uint32_t)key, key_hi = (uint32_t)(key >> 32);
     vd best = (vd){0} - INFINITY, best_index = (vd){0} + (double)first, index = (vd){0, 1, 2, 3, 4, 5, 6, 7} + (double)first;
     vq nan = {0};
@@ -1240,7 +1241,7 @@ static gumbel_best chunk_gumbel_argmax(const float *x, long first, long last, ui
             for (long lane = 0; lane < count; lane++) logits[lane] = x[i + lane];
         if (ids)
             for (long lane = 0; lane < count; lane++) noise_ids[lane] = (uint32_t)ids[i + lane];
-        vd score = __builtin_convertvector(logits, vd) + gumbel8(noise_ids, key_lo, key_hi);
+        vd score = __builtin_convertvector(logits, vd) * scale + gumbel8(noise_ids, key_lo, key_hi);
         nan |= (vq)(score != score);
         vq greater = (vq)(score > best);  /* strict: a lane keeps its first */
         best = (vd)(((vq)score & greater) | ((vq)best & ~greater));
@@ -1263,7 +1264,8 @@ static gumbel_best chunk_gumbel_argmax(const float *x, long first, long last, ui
 
 #define GUMBEL_CHUNK 4096  /* tokens per work item: a 49k-vocabulary row is 12, a drafter's 8k row 2 (both threads) */
 typedef struct {
-    const float *x; long n, ld, chunks; const uint64_t *keys; const int64_t *ids; gumbel_best *found;
+    const float *x; long n, ld, chunks; const uint64_t *keys; const double *scales; const int64_t *ids;
+    gumbel_best *found;
 } gumbel_args;
 
 static void gumbel_range(const void *ctx, long first, long last) {
@@ -1271,17 +1273,17 @@ static void gumbel_range(const void *ctx, long first, long last) {
     for (long item = first; item < last; item++) {
         long r = item / a->chunks, start = item % a->chunks * GUMBEL_CHUNK;
         long end = start + GUMBEL_CHUNK < a->n ? start + GUMBEL_CHUNK : a->n;
-        a->found[item] = chunk_gumbel_argmax(a->x + r * a->ld, start, end, a->keys[r], a->ids);
+        a->found[item] = chunk_gumbel_argmax(a->x + r * a->ld, start, end, a->keys[r], a->scales[r], a->ids);
     }
 }
 
 /* Returns 0, or -1 when it could not allocate its scratch. */
-int dspark_gumbel_argmax(const float *x, long rows, long n, long ld, const uint64_t *keys, const int64_t *ids,
-                         long *out) {
+int dspark_gumbel_argmax(const float *x, long rows, long n, long ld, const uint64_t *keys, const double *scales,
+                         const int64_t *ids, long *out) {
     long chunks = (n + GUMBEL_CHUNK - 1) / GUMBEL_CHUNK;
     gumbel_best *found = malloc(sizeof(gumbel_best) * (size_t)(rows * chunks));
     if (!found) return -1;
-    gumbel_args args = {x, n, ld, chunks, keys, ids, found};
+    gumbel_args args = {x, n, ld, chunks, keys, scales, ids, found};
     parallel_for(gumbel_range, &args, rows * chunks, 1);
     for (long r = 0; r < rows; r++) {  /* in order: a NaN first, else the greater score, the earlier chunk on ties */
         gumbel_best best = found[r * chunks];

@@ -189,7 +189,7 @@ def _open(compiler: str, isa: str) -> ctypes.CDLL:
     library.dspark_argmax.restype = None
     library.dspark_top_probability_logit.argtypes = [void, long_, long_, long_, ctypes.c_float, void]
     library.dspark_top_probability_logit.restype = None
-    library.dspark_gumbel_argmax.argtypes = [void, long_, long_, long_, void, void, void]
+    library.dspark_gumbel_argmax.argtypes = [void, long_, long_, long_, void, void, void, void]
     library.dspark_gumbel_argmax.restype = ctypes.c_int
     library.dspark_gumbel_noise.argtypes = [ctypes.c_uint64, void, long_, void]
     library.dspark_gumbel_noise.restype = None
@@ -377,12 +377,14 @@ def top_probability_logit(x: torch.Tensor, cap: float) -> torch.Tensor:
     return out.view(x.shape[:-1])
 
 
-def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None) -> list[int]:
-    """`x [rows, n]` (log-probabilities) and a 64-bit noise key per row -> each row's
-    `argmax(x + noise)`, the noise of token `ids[i]` (or `i`) under the row's key being the
-    Gumbel noise `runtime/sampling.py: gumbel_noise` defines (the same hash; the C side's logs are
-    its own, within an ulp or two of PyTorch's). Summed in float64; the first maximum wins, a NaN
-    counts as the maximum (as `torch.argmax`). Needs `available()`."""
+def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None,
+                  scales: list[float] | None = None) -> list[int]:
+    """`x [rows, n]` (log-probabilities, or logits with `scales` = 1 / temperature per row) and a
+    64-bit noise key per row -> each row's `argmax(x * scale + noise)`, the noise of token `ids[i]`
+    (or `i`) under the row's key being the Gumbel noise `runtime/sampling.py: gumbel_noise`
+    defines (the same hash; the C side's logs are its own, within an ulp or two of PyTorch's).
+    In float64; the first maximum wins, a NaN counts as the maximum (as `torch.argmax`). Needs
+    `available()`."""
     rows, n = x.shape
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.float().contiguous()
@@ -391,7 +393,8 @@ def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = N
     out = torch.empty(rows, dtype=torch.long)
     if rows and n:
         key_array = (ctypes.c_uint64 * rows)(*keys)
-        if _library.dspark_gumbel_argmax(x.data_ptr(), rows, n, x.stride(0), key_array,
+        scale_array = (ctypes.c_double * rows)(*([1.0] * rows if scales is None else scales))
+        if _library.dspark_gumbel_argmax(x.data_ptr(), rows, n, x.stride(0), key_array, scale_array,
                                          None if ids is None else ids.data_ptr(), out.data_ptr()):
             raise MemoryError("the Gumbel-max kernel could not allocate its scratch")
     return out.tolist()

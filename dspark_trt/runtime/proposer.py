@@ -85,15 +85,15 @@ def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int,
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return choice, None
-    temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
-    scaled = logits.float() / temperatures[:, None]
     seeded = [i for i in sampled if requests[i].noise is not None]
     if seeded:
         keys = [requests[i].noise_key(offset) for i in seeded]
-        choice[seeded] = torch.tensor(coupled_tokens(torch.log_softmax(scaled[seeded], dim=-1), keys, draft_vocab))
+        scales = [1.0 / requests[i].params.temperature for i in seeded]  # raw logits: log q up to a shift
+        choice[seeded] = torch.tensor(coupled_tokens(logits[seeded].float(), keys, draft_vocab, scales))
     if len(seeded) == len(sampled):
         return choice, None
-    probs = torch.softmax(scaled, dim=-1)
+    temperatures = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in requests])
+    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
     for i in sampled:
         if requests[i].noise is None:
             choice[i] = sample(probs[i], requests[i].generator)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_trt.runtime.sampling import (next_token, target_logprobs, target_probs, verify_draft,
+from dspark_trt.runtime.sampling import (coupled_inputs, next_token, target_probs, verify_draft,
                                          verify_draft_coupled)
 from dspark_trt.runtime.scheduler import Feed
 
@@ -43,7 +43,8 @@ def rejection_sample(feeds: list[Feed], logits: list[torch.Tensor]) -> list[Verd
         draft, params = feed.draft, request.params
         if request.noise is not None:  # seeded: the same tokens whether drafted or not
             keys = [request.noise_key(k) for k in range(len(rows))]
-            num_accepted, final_token = verify_draft_coupled(draft.tokens, target_logprobs(rows, params), keys)
+            scores, scale = coupled_inputs(rows, params)
+            num_accepted, final_token = verify_draft_coupled(draft.tokens, scores, keys, scale)
         else:  # greedy verification reads the argmax only: the logits will do, no point masses built
             num_accepted, final_token = verify_draft(draft.tokens, draft.probs,
                                                      rows if params.greedy else target_probs(rows, params),

@@ -20,7 +20,8 @@ A *seeded* sampled request goes further: its tokens do not depend on how many dr
 verified either, so the same seed gives the same text under any policy, load or drafter (given
 the same target logits). Its token at output position i is `argmax(logprobs_i + g_i)` (the
 Gumbel-max trick: exactly a sample from `p_i`), with noise `g_i` a hash of (seed, i) and the token
-id alone (`PositionNoise`, `gumbel_noise`). Plain decoding emits that token; verification
+id alone (`PositionNoise`, `gumbel_noise`); `logprobs_i` may be shifted by a constant per row, which
+the argmax does not see, so the tempered logits serve (`coupled_inputs`). Plain decoding emits that token; verification
 (`verify_draft_coupled`) accepts a draft token iff it *is* that token and otherwise emits it, so
 the output is the same function of the noise either way, hence lossless. The drafter proposes
 `argmax(log q_i + g_i)` with the same noise, so it agrees with the target whenever q is close to
@@ -132,7 +133,8 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         return int(greedy_tokens(logits[None])[0])
     if noise_key is not None:
-        return coupled_token(target_logprobs(logits[None], params)[0], noise_key)
+        scores, scale = coupled_inputs(logits[None], params)
+        return coupled_token(scores[0], noise_key, scale)
     return sample(target_probs(logits[None], params)[0], generator)
 
 
@@ -279,32 +281,49 @@ class PositionNoise:
         return mixed_seed(self.seed, position)
 
 
-def coupled_tokens(logprobs: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None) -> list[int]:
-    """The token a seeded request emits at each of some positions: `argmax(logprobs[k] + noise_k)`
-    over `[n, vocab]`, noise_k = `gumbel_noise(keys[k], ids)` (`ids`: the token ids of the columns,
-    default 0..vocab-1), summed in float64. Our CPU kernel where it runs, else PyTorch: the same
-    noise up to the last bits of the logs, so a tie that close is the only way the two could part."""
-    if logprobs.is_cpu:
+def coupled_inputs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, float]:
+    """What a seeded request's Gumbel-max reads at positions with logits `[n, vocab]`: (scores,
+    scale) whose `scores * scale` is the log of the distribution it samples up to a constant per
+    row, which the argmax does not see. Without top-k or top-p that is the raw logits and 1 /
+    temperature (no log-softmax to compute: ~0.1 ms a row over the 49k vocabulary); with them, the
+    log-probabilities (`target_logprobs`, -inf where they cut) and 1."""
+    if params.top_k or params.top_p < 1.0:
+        return target_logprobs(logits, params), 1.0
+    return logits.float(), 1.0 / params.temperature
+
+
+def coupled_tokens(scores: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None,
+                   scales: list[float] | None = None) -> list[int]:
+    """The token a seeded request emits at each of some positions: `argmax(scores[k] * scales[k] +
+    noise_k)` over `[n, vocab]` (scales default 1: log-probabilities), noise_k =
+    `gumbel_noise(keys[k], ids)` (`ids`: the token ids of the columns, default 0..vocab-1), in
+    float64. Our CPU kernel where it runs, else PyTorch: the same noise up to the last bits of the
+    logs, so a tie that close is the only way the two could part."""
+    scales = [1.0] * len(keys) if scales is None else scales
+    if scores.is_cpu:
         from dspark_trt.kernels import cpu_kernels
 
         if cpu_kernels.available():
-            return cpu_kernels.gumbel_argmax(logprobs, keys, ids)
-    ids = torch.arange(logprobs.shape[-1]) if ids is None else ids.cpu()
-    return [int(torch.argmax(row.double().cpu() + gumbel_noise(key, ids))) for row, key in zip(logprobs, keys)]
+            return cpu_kernels.gumbel_argmax(scores, keys, ids, scales)
+    ids = torch.arange(scores.shape[-1]) if ids is None else ids.cpu()
+    return [int(torch.argmax(row.double().cpu() * scale + gumbel_noise(key, ids)))
+            for row, key, scale in zip(scores, keys, scales)]
 
 
-def coupled_token(logprobs: torch.Tensor, key: int) -> int:
-    """`coupled_tokens` at one position: logprobs `[vocab]`."""
-    return coupled_tokens(logprobs[None], [key])[0]
+def coupled_token(scores: torch.Tensor, key: int, scale: float = 1.0) -> int:
+    """`coupled_tokens` at one position: scores `[vocab]`."""
+    return coupled_tokens(scores[None], [key], scales=[scale])[0]
 
 
-def verify_draft_coupled(draft_tokens: list[int], logprobs: torch.Tensor, keys: list[int]) -> tuple[int, int]:
-    """`verify_draft` for a seeded request: logprobs `[l + 1, vocab]` (`target_logprobs`) and the
-    noise keys of those `l + 1` output positions. Accepts the drafts that equal the request's own
-    sample at their position; returns (number accepted, the sample at the first mismatch or after
-    the last). Position by position: a mismatch ends it, and no later position's noise is drawn."""
+def verify_draft_coupled(draft_tokens: list[int], scores: torch.Tensor, keys: list[int],
+                         scale: float = 1.0) -> tuple[int, int]:
+    """`verify_draft` for a seeded request: scores `[l + 1, vocab]` and scale (`coupled_inputs`;
+    log-probabilities and 1 will do) and the noise keys of those `l + 1` output positions. Accepts
+    the drafts that equal the request's own sample at their position; returns (number accepted, the
+    sample at the first mismatch or after the last). Position by position: a mismatch ends it, and
+    no later position's noise is drawn."""
     for k, token in enumerate(draft_tokens):
-        target = coupled_token(logprobs[k], keys[k])
+        target = coupled_token(scores[k], keys[k], scale)
         if token != target:
             return k, target
-    return len(draft_tokens), coupled_token(logprobs[len(draft_tokens)], keys[len(draft_tokens)])
+    return len(draft_tokens), coupled_token(scores[len(draft_tokens)], keys[len(draft_tokens)], scale)
