@@ -488,6 +488,23 @@ def test_the_fused_pass_refuses_rows_and_layers_outside_the_pass(tiny_llama):
 
 
 @needs_kernel
+def test_an_engine_packs_the_kernels_weights_before_its_first_request(tiny_llama):
+    """The description of the weights the fused pass reads is built when the engine is, not in the
+    first request's step (~0.25 s for SmolLM2-135M), and the first step reuses it."""
+    from dspark_trt.runtime.engine import Engine
+
+    target = load_target(tiny_llama, torch.bfloat16)
+    assert target.model._fused._value is None
+    engine = Engine(target, max_batch_size=2, max_model_len=64, policy="none")
+    prepared = target.model._fused._value
+    assert isinstance(prepared, cpu_kernels.FusedDecoder)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert target.model._fused._value is prepared
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_the_drafter_backbone_in_one_c_pass_matches_its_pytorch_layers(tiny_llama, kind):
     """The drafter's backbone, final norm and LM head through the fused C pass (block keys written

@@ -72,6 +72,7 @@ class Engine:
         self.proposer = proposer if self.policy.uses_drafter else None  # plain decoding: the drafter keeps no state
         self.runner = ModelRunner(target, tuple(feature_layers) or (proposer.feature_layers if self.proposer else ()),
                                   batch_invariant)
+        target.model.prepare()  # the first request should not pay the kernels' weight packing
         self.max_batch_size = max_batch_size
         # The longest sequence (prompt + output) a request may reach: the model's context, or
         # less to bound KV memory (every running request owns a slot of this many positions).

@@ -68,6 +68,9 @@ class TensorRTTargetModel:
     def __getattr__(self, name):  # embed, lm_head, final_norm, ...: the torch model's (the drafter borrows them)
         return getattr(self.torch_model, name)
 
+    def prepare(self) -> None:
+        """Nothing to pack: the engine was built with its weights (`TargetModel.prepare`'s twin)."""
+
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         c = self.config
         # The engine's optimization profile bounds the pool: [L, S, KVH, C, HD] at most `biggest`.
