@@ -20,10 +20,10 @@ A *seeded* sampled request goes further: its tokens do not depend on how many dr
 verified either, so the same seed gives the same text under any policy, load or drafter (given
 the same target logits). Its token at output position i is `argmax(logprobs_i + g_i)` (the
 Gumbel-max trick: exactly a sample from `p_i`), with noise `g_i` a hash of (seed, i) and the token
-id alone (`PositionNoise`, `gumbel_noise`); `logprobs_i` may be shifted by a constant per row, which
-the argmax does not see, so the tempered logits serve (`coupled_inputs`). Plain decoding emits that token; verification
-(`verify_draft_coupled`) accepts a draft token iff it *is* that token and otherwise emits it, so
-the output is the same function of the noise either way, hence lossless. The drafter proposes
+id alone (`PositionNoise`, `gumbel_noise`); a constant shift of a row of `logprobs_i` changes no
+argmax, so the tempered logits serve as well (`coupled_inputs`). Plain decoding emits that token;
+verification (`verify_draft_coupled`) accepts a draft token iff it *is* that token and otherwise
+emits it, so the output is the same function of the noise either way, hence lossless. The drafter proposes
 `argmax(log q_i + g_i)` with the same noise, so it agrees with the target whenever q is close to
 p (acceptance >= (1 - TV) / (1 + TV), against the 1 - TV of the rule above: the price of
 reproducibility, paid only by seeded requests). The rejection rule's outputs, in contrast,
@@ -246,7 +246,7 @@ def mixed_seed(seed: int, index: int) -> int:
 
 
 def gumbel_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
-    """The Gumbel noise of token ids `[n]` under a 64-bit key `[n]` (float64): the definition, which
+    """The Gumbel noise of token ids `[n]` under a 64-bit key -> `[n]` float64: the definition, which
     our CPU kernel computes in one vector pass (`kernels/cpu_kernels.c`, ~0.1 ms over a 49k
     vocabulary against ~1 ms for a seeded generator's float64 stream). A counter-based hash, so each
     token's noise is its own (the drafter's smaller vocabulary reads the target's values):
