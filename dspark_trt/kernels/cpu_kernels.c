@@ -1142,8 +1142,9 @@ void dspark_top_probability_logit(const float *x, long rows, long n, long ld, fl
 }
 
 /* ---- seeded sampling: Gumbel-max over counter-based noise ------------------------------------
- * out[r] = argmax over i of (x[r][i] * scales[r] + g(keys[r], id_i)), id_i = ids[i] (i without ids),
- * in double (scales: 1 / temperature over raw logits, 1 over log-probabilities); NaN counting as the maximum and the first maximum winning ties (as torch.argmax).
+ * out[r] = argmax over i of (x[r][i] * scales[r] + g(keys[r], id_i)), id_i = ids[i] (i without
+ * ids), in double (scales: 1 / temperature over raw logits, 1 over log-probabilities); a NaN
+ * counts as the maximum and the first maximum wins ties (as torch.argmax).
  * The noise of token id under a key, defined here and by its reference `runtime/sampling.py:
  * gumbel_noise` (the same hash; its logs are PyTorch's, equal to these within an ulp or two):
  *     h1 = fmix32(id ^ key_lo), h2 = fmix32(h1 ^ key_hi), h3 = fmix32(h2 + 0x9E3779B9)
@@ -1156,12 +1157,12 @@ void dspark_top_probability_logit(const float *x, long rows, long n, long ld, fl
  * generator, ~1 ms a row (a float64 rand, two logs, negations and an argmax over 49k values),
  * a third of a T=1 serving step at 16 requests (measured); this is one pass.
  * Written over GCC's generic vectors (8 doubles), not the vf layer: the same source compiles to
- * AVX-512, AVX2 or NEON, and with contraction off each build does the same IEEE operations in
- * the same order, so the builds agree bit for bit. */
+ * AVX-512, AVX2 or NEON. The x86 builds all have FMA, and GCC fuses the same multiply-adds in
+ * each, so they do the same IEEE operations in the same order and agree bit for bit (the ISA
+ * workload of tests/test_bf16.py checks it). */
 #pragma GCC diagnostic ignored "-Wpsabi"  /* 64-byte vectors stay inside this file, inlined */
 
 typedef double vd __attribute__((vector_size(64)));
-typedef int64_t vl __attribute__((vector_size(64)));
 typedef uint64_t vq __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
@@ -1228,7 +1229,8 @@ typedef struct { double score; long index; } gumbel_best;
 static gumbel_best chunk_gumbel_argmax(const float *x, long first, long last, uint64_t key, double scale,
                                        const int64_t *ids) {
     const uint32_t key_lo = (uint32_t)key, key_hi = (uint32_t)(key >> 32);
-    vd best = (vd){0} - INFINITY, best_index = (vd){0} + (double)first, index = (vd){0, 1, 2, 3, 4, 5, 6, 7} + (double)first;
+    vd best = (vd){0} - INFINITY, best_index = (vd){0} + (double)first;
+    vd index = (vd){0, 1, 2, 3, 4, 5, 6, 7} + (double)first;
     vq nan = {0};
     vu lane_ids = (vu){0, 1, 2, 3, 4, 5, 6, 7} + (uint32_t)first;
     for (long i = first; i < last; i += 8, index += 8.0, lane_ids += 8) {
@@ -1262,7 +1264,7 @@ static gumbel_best chunk_gumbel_argmax(const float *x, long first, long last, ui
     return found;
 }
 
-#define GUMBEL_CHUNK 4096  /* tokens per work item: a 49k-vocabulary row is 12, a drafter's 8k row 2 (both threads) */
+#define GUMBEL_CHUNK 4096  /* tokens per work item: a 49k-vocabulary row is 12, a drafter's 8k row 2 */
 typedef struct {
     const float *x; long n, ld, chunks; const uint64_t *keys; const double *scales; const int64_t *ids;
     gumbel_best *found;

@@ -401,8 +401,8 @@ def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = N
 
 
 def gumbel_noise(key: int, ids: torch.Tensor) -> torch.Tensor:
-    """The C side's noise of token `ids [n]` under `key` `[n]` float64 (to test it against
-    `sampling.gumbel_noise`, which defines it). Needs `available()`."""
+    """The C side's noise of token ids `[n]` under a 64-bit `key` -> `[n]` float64 (to test it
+    against `sampling.gumbel_noise`, which defines it). Needs `available()`."""
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], dtype=torch.float64)
     _library.dspark_gumbel_noise(key, ids.data_ptr(), ids.shape[0], out.data_ptr())
