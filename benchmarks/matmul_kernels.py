@@ -39,9 +39,12 @@ def kernels(weights: list[torch.Tensor]) -> dict:
         "numpy_fp32": ([w.t().contiguous().numpy() for w in weights], lambda x, w: x.numpy() @ w),
         "torch_fp32": ([w.t().contiguous() for w in weights], lambda x, w: x @ w),
         "onednn_bf16": ([w.bfloat16() for w in weights], lambda x, w: F.linear(x.bfloat16(), w).float()),
-        "onednn_bf16_packed": ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in weights],
-                               lambda x, w: lp(x.bfloat16(), w, None, "none", [], "").float()),
     }
+    try:  # oneDNN packs bf16 weights only where the CPU has AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+        found["onednn_bf16_packed"] = ([torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1) for w in weights],
+                                       lambda x, w: lp(x.bfloat16(), w, None, "none", [], "").float())
+    except RuntimeError as error:
+        print(f"onednn_bf16_packed: skipped ({error})", flush=True)
     scales = [w.abs().amax(1) / 127 for w in weights]
     found["int8_weight_only"] = ([(torch.round(w / s[:, None]).to(torch.int8), s.bfloat16())
                                   for w, s in zip(weights, scales)],

@@ -146,14 +146,15 @@ static inline vi vi_select(vcmp c, vi a, vi b) { return _mm512_mask_mov_epi32(a,
 #elif defined(__AVX2__) && defined(__FMA__)
 
 #define KERNEL_ISA "avx2"
-/* GEMM tiles (rows, panels of 16 columns) in 16 ymm registers, for blocks of 1..4 rows: 1 row x
+/* GEMM tiles (rows, panels of 16 columns) in 16 ymm registers, for blocks of 1..6 rows: 1 row x
  * the whole group (8 accumulators); 2 rows x the whole group (16 accumulators, a few spilled to
  * L1, but one pass over the group's stream: while a step is memory-bound that beats two passes
- * over halves); 3 rows x half the group; 4 rows x a quarter (8 accumulators, 2 shuffles per 8
- * FMAs). Measured against blocks of 2, 3, 5 and 6 rows and other splits: the best at 4-16 rows,
- * as good at 1-2. */
-#define TILE_ROWS 4
-#define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 2) T(4, 1)
+ * over halves); 3 rows x half the group; 4-6 rows x a quarter (8-12 accumulators, 2 shuffles per
+ * 8-12 FMAs). On a real AVX2-only CPU (AMD EPYC Zen 1, whose ymm FMAs run as two 128-bit halves)
+ * the 6-row tile reaches the FMA rate in L1 and took 6 rows from 35.5 to 26.2 ms over
+ * SmolLM2-135M's matrices (benchmarks/matmul_kernels.py). */
+#define TILE_ROWS 6
+#define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 2) T(4, 1) T(5, 1) T(6, 1)
 #define SCORE_KEYS 4   /* 4 keys' dot products: 8 accumulators, not 32 */
 #define VALUE_PANELS 2 /* 2 panels' even and odd chains: 8 accumulators, not 16 */
 
@@ -427,8 +428,10 @@ static void gemm_groups(const gemm_args *a, long first, long last) {
         vmask mask[4];
         for (int p = 0; p < 4; p++) mask[p] = tail_mask(N - g * GROUP - 16 * p);
         const float *b = bias ? bias + g * GROUP : 0;
-        for (long r0 = 0; r0 < M; r0 += TILE_ROWS) {
-            long rows = M - r0 < TILE_ROWS ? M - r0 : TILE_ROWS;
+        /* blocks of equal height (8 rows: 4 + 4, not 6 + 2, whose 2-row tile spills on AVX2) */
+        long blocks = (M + TILE_ROWS - 1) / TILE_ROWS, block_rows = (M + blocks - 1) / blocks;
+        for (long r0 = 0; r0 < M; r0 += block_rows) {
+            long rows = M - r0 < block_rows ? M - r0 : block_rows;
             const tile_plan *tile = &TILES[rows];
             for (int p0 = 0; p0 < 4 && mask[p0]; p0 += tile->panels)  /* panels past N: nothing to do */
                 tile->fn(x + r0 * ldx, ldx, a->wp + g * K * GROUP + 32 * (p0 / 2), p0 & 1, K,
