@@ -156,6 +156,7 @@ static inline vi vi_select(vcmp c, vi a, vi b) { return _mm512_mask_mov_epi32(a,
  * rows unchanged (docs/portable_cpu.md). */
 #define TILE_ROWS 6
 #define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 2) T(4, 1) T(5, 1) T(6, 1)
+#define EQUAL_ROW_BLOCKS  /* the AVX2 build only: the AVX-512 build keeps blocks of 6 (not measured there) */
 #define SCORE_KEYS 4   /* 4 keys' dot products: 8 accumulators, not 32 */
 #define VALUE_PANELS 2 /* 2 panels' even and odd chains: 8 accumulators, not 16 */
 
@@ -429,8 +430,11 @@ static void gemm_groups(const gemm_args *a, long first, long last) {
         vmask mask[4];
         for (int p = 0; p < 4; p++) mask[p] = tail_mask(N - g * GROUP - 16 * p);
         const float *b = bias ? bias + g * GROUP : 0;
-        /* blocks of equal height (8 rows: 4 + 4, not 6 + 2, whose 2-row tile spills on AVX2) */
-        long blocks = (M + TILE_ROWS - 1) / TILE_ROWS, block_rows = (M + blocks - 1) / blocks;
+        long block_rows = TILE_ROWS;
+#ifdef EQUAL_ROW_BLOCKS  /* blocks of equal height: 8 rows as 4 + 4, not 6 + 2 (whose 2-row tile spills) */
+        long blocks = (M + TILE_ROWS - 1) / TILE_ROWS;
+        block_rows = (M + blocks - 1) / blocks;
+#endif
         for (long r0 = 0; r0 < M; r0 += block_rows) {
             long rows = M - r0 < block_rows ? M - r0 : block_rows;
             const tile_plan *tile = &TILES[rows];
