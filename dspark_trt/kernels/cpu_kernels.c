@@ -151,7 +151,7 @@ static inline vi vi_select(vcmp c, vi a, vi b) { return _mm512_mask_mov_epi32(a,
  * L1, but one pass over the group's stream: while a step is memory-bound that beats two passes
  * over halves); 3 rows x half the group; 4-6 rows x a quarter (8-12 accumulators, 2 shuffles per
  * 8-12 FMAs: 12 chains cover the FMA latency, 8 do not). On a real AVX2-only CPU (AMD EPYC Zen 1,
- * whose ymm FMAs run as two 128-bit halves), over SmolLM2-135M's 121 matrices and LM head, both
+ * whose ymm FMAs run as two 128-bit halves), over SmolLM2-135M's 120 layer matrices and LM head, both
  * threads, the two builds alternated: 6 rows 29.5 -> 25.3 ms, 16 rows 58.2 -> 55.8 ms, 1-4 and 8
  * rows unchanged (docs/portable_cpu.md). */
 #define TILE_ROWS 6
