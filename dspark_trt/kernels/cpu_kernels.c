@@ -426,15 +426,15 @@ typedef struct {
 static void gemm_groups(const gemm_args *a, long first, long last) {
     const float *x = a->x, *bias = a->bias;
     long M = a->M, ldx = a->ldx, K = a->K, N = a->N, ldy = a->ldy;
+    long block_rows = TILE_ROWS;
+#ifdef EQUAL_ROW_BLOCKS  /* blocks of equal height: 8 rows as 4 + 4, not 6 + 2 (whose 2-row tile spills) */
+    long blocks = (M + TILE_ROWS - 1) / TILE_ROWS;
+    block_rows = (M + blocks - 1) / blocks;
+#endif
     for (long g = first; g < last; g++) {
         vmask mask[4];
         for (int p = 0; p < 4; p++) mask[p] = tail_mask(N - g * GROUP - 16 * p);
         const float *b = bias ? bias + g * GROUP : 0;
-        long block_rows = TILE_ROWS;
-#ifdef EQUAL_ROW_BLOCKS  /* blocks of equal height: 8 rows as 4 + 4, not 6 + 2 (whose 2-row tile spills) */
-        long blocks = (M + TILE_ROWS - 1) / TILE_ROWS;
-        block_rows = (M + blocks - 1) / blocks;
-#endif
         for (long r0 = 0; r0 < M; r0 += block_rows) {
             long rows = M - r0 < block_rows ? M - r0 : block_rows;
             const tile_plan *tile = &TILES[rows];
