@@ -70,7 +70,9 @@ static inline void prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_H
 #define TILE_ROWS 6
 #define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 4) T(4, 4) T(5, 4) T(6, 4)
 #define SCORE_KEYS 16  /* keys whose dot products one pass over q keeps in registers */
+#define SCORE_QUERIES 2 /* queries whose scores one pass over a key block computes (score_keys_pair) */
 #define VALUE_PANELS 4 /* 16-float panels of a value row one pass keeps (even and odd chains) */
+#define VALUE_QUERIES 2 /* queries one pass over the values serves: 2 x 4 panels x 2 chains = 16 accumulators */
 
 typedef __m512 vf;
 typedef __m512i vi;
@@ -114,20 +116,24 @@ static inline vf vf_widen16(const uint16_t *w, int high) {  /* vf_widen32's low 
 }
 
 /* The 16 horizontal sums of v[0..15], as one vector (lane i = sum of v[i]'s lanes): a transpose
- * tree of 15 shuffle/add pairs instead of 16 separate reductions. */
-static inline vf vf_sum16(const vf *v) {
-    __m512 t[8], w[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+ * tree of 15 shuffle/add pairs instead of 16 separate reductions. Its first half, v[0..7], and its
+ * second, v[8..15], reduce apart until the last add (vf_sum8_half, vf_sum16_join), so that a
+ * caller can sum 8 vectors at a time and get the same bits. */
+static inline vf vf_sum8_half(const vf *v) {
+    __m512 t[4], w[2];
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
         t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: the lane sums of v[4i .. 4i+3] */
+    for (int i = 0; i < 2; i++) {  /* per 128-bit lane: the lane sums of v[4i .. 4i+3] */
         __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
         __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
         w[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
     }
-    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
+static inline vf vf_sum16_join(vf low, vf high) {  /* vf_sum8_half of v[0..7] and of v[8..15] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+static inline vf vf_sum16(const vf *v) { return vf_sum16_join(vf_sum8_half(v), vf_sum8_half(v + 8)); }
 
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
@@ -158,7 +164,9 @@ static inline vi vi_select(vcmp c, vi a, vi b) { return _mm512_mask_mov_epi32(a,
 #define TILE_SHAPES(T) T(1, 4) T(2, 4) T(3, 2) T(4, 1) T(5, 1) T(6, 1)
 #define EQUAL_ROW_BLOCKS  /* the AVX2 build only: the AVX-512 build keeps blocks of 6 (not measured there) */
 #define SCORE_KEYS 4   /* 4 keys' dot products: 8 accumulators, not 32 */
+#define SCORE_QUERIES 1 /* one query a pass (score_keys_pair is AVX-512 only) */
 #define VALUE_PANELS 2 /* 2 panels' even and odd chains: 8 accumulators, not 16 */
+#define VALUE_QUERIES 1 /* one query a pass: a second one's 8 accumulators would not fit in 16 ymm */
 
 typedef struct { __m256 lo, hi; } vf;     /* lanes 0-7, 8-15 */
 typedef struct { __m256i lo, hi; } vi;
@@ -778,6 +786,110 @@ static void score_keys(const float *q, const float *k, long dim, long length, fl
     }
 }
 
+#if SCORE_QUERIES == 2
+/* score_keys of two queries over one whole block of 16 keys, sharing each key load: keys 0-7,
+ * then 8-15, 8 dot products per query at a time (16 accumulators), each the same FMA chain over
+ * q's chunks as in score_keys, and the same reduction tree (vf_sum8_half, vf_sum16_join): the
+ * same bits as two score_keys calls. */
+static void score_keys_pair(const float *qa, const float *qb, const float *block, long dim, float scale,
+                            float *scores_a, float *scores_b) {
+    long chunks = (dim + 15) / 16;
+    vmask last = tail_mask(dim - 16 * (chunks - 1));
+    vf half_a[2], half_b[2];
+    for (int h = 0; h < 2; h++) {
+        vf va[8], vb[8];
+        for (int i = 0; i < 8; i++) va[i] = vb[i] = vf_zero();
+        for (long c = 0; c < chunks; c++) {
+            vmask m = c == chunks - 1 ? last : (vmask)0xFFFF;
+            vf qa_c = vf_load_mask(qa + 16 * c, m), qb_c = vf_load_mask(qb + 16 * c, m);
+            for (int i = 0; i < 8; i++) {
+                vf key = vf_load_mask(block + (8 * h + i) * dim + 16 * c, m);
+                va[i] = vf_fmadd(qa_c, key, va[i]);
+                vb[i] = vf_fmadd(qb_c, key, vb[i]);
+            }
+        }
+        half_a[h] = vf_sum8_half(va);
+        half_b[h] = vf_sum8_half(vb);
+    }
+    vf_store_mask(scores_a, (vmask)0xFFFF, vf_mul(vf_sum16_join(half_a[0], half_a[1]), vf_set1(scale)));  /* rows: 4-byte aligned */
+    vf_store_mask(scores_b, (vmask)0xFFFF, vf_mul(vf_sum16_join(half_b[0], half_b[1]), vf_set1(scale)));
+}
+#endif
+
+/* One query's weighted sum of values over keys [0, length): two FMA chains per 16-float panel,
+ * even keys and odd keys, each in key order from zero (the last key of an odd length goes to the
+ * even chain); the chains are written to even_sums [padded] and even_sums + padded. Keys are
+ * paired (0, 1), (2, 3), ... however the work is split, so these are a query's bits. */
+static inline void value_pairs(const float *v, long dim, long d0, const float *weights, long from, long to,
+                               const vmask *m, vf *even, vf *odd) {
+    long j = from;
+    for (; j + 1 < to; j += 2) {
+        vf w0 = vf_set1(weights[j]), w1 = vf_set1(weights[j + 1]);
+        for (int c = 0; c < VALUE_PANELS; c++) {
+            even[c] = vf_fmadd(w0, vf_load_mask(v + j * dim + d0 + 16 * c, m[c]), even[c]);
+            odd[c] = vf_fmadd(w1, vf_load_mask(v + (j + 1) * dim + d0 + 16 * c, m[c]), odd[c]);
+        }
+    }
+    if (j < to) {  /* the last key of an odd length: its even chain */
+        vf w0 = vf_set1(weights[j]);
+        for (int c = 0; c < VALUE_PANELS; c++)
+            even[c] = vf_fmadd(w0, vf_load_mask(v + j * dim + d0 + 16 * c, m[c]), even[c]);
+    }
+}
+
+static void weighted_values(const float *v, long dim, long padded, const float *weights, long length,
+                            float *even_sums) {
+    for (long d0 = 0; d0 < dim; d0 += 16 * VALUE_PANELS) {
+        vf even[VALUE_PANELS], odd[VALUE_PANELS];
+        vmask m[VALUE_PANELS];
+        for (int c = 0; c < VALUE_PANELS; c++) {
+            m[c] = tail_mask(dim - d0 - 16 * c);
+            even[c] = odd[c] = vf_zero();
+        }
+        value_pairs(v, dim, d0, weights, 0, length, m, even, odd);
+        for (int c = 0; c < VALUE_PANELS; c++) {
+            vf_store(even_sums + d0 + 16 * c, even[c]);
+            vf_store(even_sums + padded + d0 + 16 * c, odd[c]);
+        }
+    }
+}
+
+/* weighted_values for two queries of a slot at once, each with its own chains (so its own bits,
+ * as above): over the keys both see, every value load feeds both queries' FMAs, which halves
+ * the loads and gives the core twice the independent chains; then each finishes alone. */
+static void weighted_values_pair(const float *v, long dim, long padded, const float *weights_a, long length_a,
+                                 const float *weights_b, long length_b, float *sums_a, float *sums_b) {
+    long common = (length_a < length_b ? length_a : length_b) / 2 * 2;  /* whole key pairs both see */
+    for (long d0 = 0; d0 < dim; d0 += 16 * VALUE_PANELS) {
+        vf even_a[VALUE_PANELS], odd_a[VALUE_PANELS], even_b[VALUE_PANELS], odd_b[VALUE_PANELS];
+        vmask m[VALUE_PANELS];
+        for (int c = 0; c < VALUE_PANELS; c++) {
+            m[c] = tail_mask(dim - d0 - 16 * c);
+            even_a[c] = odd_a[c] = even_b[c] = odd_b[c] = vf_zero();
+        }
+        for (long j = 0; j < common; j += 2) {
+            vf a0 = vf_set1(weights_a[j]), a1 = vf_set1(weights_a[j + 1]);
+            vf b0 = vf_set1(weights_b[j]), b1 = vf_set1(weights_b[j + 1]);
+            for (int c = 0; c < VALUE_PANELS; c++) {
+                vf v0 = vf_load_mask(v + j * dim + d0 + 16 * c, m[c]);
+                vf v1 = vf_load_mask(v + (j + 1) * dim + d0 + 16 * c, m[c]);
+                even_a[c] = vf_fmadd(a0, v0, even_a[c]);
+                odd_a[c] = vf_fmadd(a1, v1, odd_a[c]);
+                even_b[c] = vf_fmadd(b0, v0, even_b[c]);
+                odd_b[c] = vf_fmadd(b1, v1, odd_b[c]);
+            }
+        }
+        value_pairs(v, dim, d0, weights_a, common, length_a, m, even_a, odd_a);
+        value_pairs(v, dim, d0, weights_b, common, length_b, m, even_b, odd_b);
+        for (int c = 0; c < VALUE_PANELS; c++) {
+            vf_store(sums_a + d0 + 16 * c, even_a[c]);
+            vf_store(sums_a + padded + d0 + 16 * c, odd_a[c]);
+            vf_store(sums_b + d0 + 16 * c, even_b[c]);
+            vf_store(sums_b + padded + d0 + 16 * c, odd_b[c]);
+        }
+    }
+}
+
 static atomic_int attention_failed = 0;  /* set when a share could not allocate its scratch */
 
 #define RUN_TOKENS 16  /* queries of one slot attended together (they share each key and value load) */
@@ -824,12 +936,21 @@ static void attention_runs(const void *ctx, long first, long last) {
         long base = a->slots[t0] * a->slot_stride + (h / group) * a->head_stride;
         const float *k = a->keys + base, *v = a->values + base;
         for (long j0 = 0; j0 < longest; j0 += 16)  /* scores, block by block */
-            for (long i = 0; i < n; i++)
+            for (long i = 0; i < n; i++) {
+                const float *q = a->q + (t0 + i) * a->ldq + h * dim;
+#if SCORE_QUERIES == 2
+                if (i + 1 < n && j0 + 16 <= lengths[i] && j0 + 16 <= lengths[i + 1]) {  /* both see the whole block */
+                    score_keys_pair(q, q + a->ldq, k + j0 * dim, dim, a->scale, scores + i * stride + j0,
+                                    scores + (i + 1) * stride + j0);
+                    i++;
+                    continue;
+                }
+#endif
                 if (j0 < lengths[i]) {
                     long count = lengths[i] - j0 < 16 ? lengths[i] - j0 : 16;
-                    score_keys(a->q + (t0 + i) * a->ldq + h * dim, k + j0 * dim, dim, count, a->scale,
-                               scores + i * stride + j0);
+                    score_keys(q, k + j0 * dim, dim, count, a->scale, scores + i * stride + j0);
                 }
+            }
         for (long i = 0; i < n; i++) {  /* softmax of each query over its own keys */
             float *row = scores + i * stride;
             long length = lengths[i];
@@ -844,40 +965,13 @@ static void attention_runs(const void *ctx, long first, long last) {
                 total = vf_add(total, vf_keep(m, e));
             }
             totals[i] = vf_reduce_add(total);
-            for (long d = 0; d < 2 * padded; d += 16) vf_store(sums + i * 2 * padded + d, vf_zero());
         }
-        for (long j0 = 0; j0 < longest; j0 += 16) {  /* weighted values, block by block */
-            for (long i = 0; i < n; i++) {
-                long end = lengths[i] < j0 + 16 ? lengths[i] : j0 + 16;
-                const float *weights = scores + i * stride;
-                for (long d0 = 0; d0 < dim; d0 += 16 * VALUE_PANELS) {
-                    float *even_sums = sums + i * 2 * padded + d0, *odd_sums = even_sums + padded;
-                    vf even[VALUE_PANELS], odd[VALUE_PANELS];
-                    vmask m[VALUE_PANELS];
-                    for (int c = 0; c < VALUE_PANELS; c++) {
-                        m[c] = tail_mask(dim - d0 - 16 * c);
-                        even[c] = vf_load(even_sums + 16 * c);
-                        odd[c] = vf_load(odd_sums + 16 * c);
-                    }
-                    long j = j0;
-                    for (; j + 1 < end; j += 2) {
-                        vf w0 = vf_set1(weights[j]), w1 = vf_set1(weights[j + 1]);
-                        for (int c = 0; c < VALUE_PANELS; c++) {
-                            even[c] = vf_fmadd(w0, vf_load_mask(v + j * dim + d0 + 16 * c, m[c]), even[c]);
-                            odd[c] = vf_fmadd(w1, vf_load_mask(v + (j + 1) * dim + d0 + 16 * c, m[c]), odd[c]);
-                        }
-                    }
-                    if (j < end) {  /* the last key of an odd-length query: its even chain */
-                        vf w0 = vf_set1(weights[j]);
-                        for (int c = 0; c < VALUE_PANELS; c++)
-                            even[c] = vf_fmadd(w0, vf_load_mask(v + j * dim + d0 + 16 * c, m[c]), even[c]);
-                    }
-                    for (int c = 0; c < VALUE_PANELS; c++) {
-                        vf_store(even_sums + 16 * c, even[c]);
-                        vf_store(odd_sums + 16 * c, odd[c]);
-                    }
-                }
-            }
+        for (long i = 0; i < n; i += VALUE_QUERIES) {  /* weighted values, VALUE_QUERIES queries a pass */
+            if (VALUE_QUERIES == 2 && i + 1 < n)
+                weighted_values_pair(v, dim, padded, scores + i * stride, lengths[i], scores + (i + 1) * stride,
+                                     lengths[i + 1], sums + i * 2 * padded, sums + (i + 1) * 2 * padded);
+            else
+                weighted_values(v, dim, padded, scores + i * stride, lengths[i], sums + i * 2 * padded);
         }
         for (long i = 0; i < n; i++) {
             float *o = a->out + (t0 + i) * a->ldo + h * dim;
