@@ -744,6 +744,190 @@ void dspark_bf16_gemm(const float *x, long M, long ldx, const uint16_t *wp, long
     gemm(x, M, ldx, wp, K, N, y, ldy, bias, 0);
 }
 
+/* ---- 4-bit weights (`--dtype int4`; AMX-INT8 only) -----------------------------------------
+ *
+ * Each weight column's K inputs in Q4_1 blocks of 32, as the GGUF stores SmolLM2's decoder
+ * matrices: w = d * q + m, q in 0..15, d and m fp16 per (column, block). Each matmul's input is
+ * quantized per row and per block of 32 to int8 with an fp32 scale s (x ~ s * a, a = round(x *
+ * 127 / max|x|)), as llama.cpp does for its CPU dot products, so that a block of 16 columns is one
+ * TDPBSUD (int8 x uint8 -> int32 sums of 32 products, exact) and
+ *     sum_k x_k w_k ~ d * s * sum_k a_k q_k + m * s * sum_k a_k,
+ * applied per block in fp32 in a fixed order. A row's result depends on its own activations and
+ * scales only (batch invariant, as the other builds). ~5 bits a weight instead of 16: the weights'
+ * read, which bounds a decode step, is ~3.2x smaller (benchmarks/experiments/q4_amx_gemm.c).
+ *
+ * Layout (`Q4Weight` packs it): [G = ceil(N / 64)][K / 32] blocks of 64 columns x 32 inputs, each
+ * 1 KB of nibbles, [4 tiles][8 rows][32 bytes]: byte j of a tile row holds byte j (low nibble)
+ * and byte j + 32 (high) of that row of AMX's int8 B tile (byte b: column b / 4, input 4 r + b % 4);
+ * then d [G][K / 32][64] and m [G][K / 32][64], fp16. */
+
+#define Q4_BLOCK 32
+
+int dspark_q4_available(void) {
+#if defined(AMX) && defined(__AMX_INT8__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(AMX) && defined(__AMX_INT8__)
+typedef struct {
+    const int8_t *a; const float *scale, *scaled_sum;  /* a [Mp][K]; scale, scaled_sum [Mp][K / 32] */
+    long M, rows, K, N;                                  /* rows: per tile (M padded to whole tiles) */
+    const uint8_t *w; float *y; long ldy; const float *bias; int accumulate;
+} q4_args;
+
+static void q4_configure(int rows) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) config.rows[t] = rows, config.colsb[t] = 64;  /* C: rows x 16 int32 */
+    config.rows[4] = rows, config.colsb[4] = Q4_BLOCK;                        /* A: rows x 32 int8 */
+    for (int t = 5; t < 7; t++) config.rows[t] = Q4_BLOCK / 4, config.colsb[t] = 64;  /* B: 8 x 16 x 4 */
+    _tile_loadconfig(&config);
+}
+
+static void q4_groups(const void *ctx, long first, long last) {
+    const q4_args *a = (const q4_args *)ctx;
+    long K = a->K, blocks = K / Q4_BLOCK, groups = (a->N + GROUP - 1) / GROUP;
+    const uint8_t *nibbles = a->w;
+    const uint16_t *d_all = (const uint16_t *)(a->w + groups * blocks * 1024), *m_all = d_all + groups * blocks * GROUP;
+    uint8_t b[4][8 * 64] __attribute__((aligned(64)));
+    int32_t dots[AMX_ROWS * GROUP] __attribute__((aligned(64)));
+    float out[AMX_ROWS * GROUP] __attribute__((aligned(64)));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    q4_configure((int)a->rows);
+    for (long g = first; g < last; g++) {
+        vmask mask[4];
+        for (int p = 0; p < 4; p++) mask[p] = tail_mask(a->N - g * GROUP - 16 * p);
+        for (long r0 = 0; r0 < a->M; r0 += a->rows) {
+            long rows = a->M - r0 < a->rows ? a->M - r0 : a->rows;
+            memset(out, 0, sizeof(float) * a->rows * GROUP);
+            for (long kb = 0; kb < blocks; kb++) {
+                const uint8_t *packed = nibbles + (g * blocks + kb) * 1024;
+                for (int t = 0; t < 4; t++)
+                    for (int r = 0; r < 8; r++) {  /* a tile row's 64 bytes from 32 bytes of nibbles */
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(packed + (t * 8 + r) * 32));
+                        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+                        _mm512_store_si512((void *)(b[t] + r * 64), both);
+                    }
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, a->a + r0 * K + kb * Q4_BLOCK, K);
+                _tile_loadd(5, b[0], 64);
+                _tile_dpbsud(0, 4, 5);
+                _tile_loadd(6, b[1], 64);
+                _tile_dpbsud(1, 4, 6);
+                _tile_loadd(5, b[2], 64);
+                _tile_dpbsud(2, 4, 5);
+                _tile_loadd(6, b[3], 64);
+                _tile_dpbsud(3, 4, 6);
+                _tile_stored(0, dots, GROUP * 4);
+                _tile_stored(1, dots + 16, GROUP * 4);
+                _tile_stored(2, dots + 32, GROUP * 4);
+                _tile_stored(3, dots + 48, GROUP * 4);
+                const uint16_t *dp = d_all + (g * blocks + kb) * GROUP, *mp = m_all + (g * blocks + kb) * GROUP;
+                for (int p = 0; p < 4; p++) {
+                    vf d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * p)));
+                    vf m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * p)));
+                    for (long r = 0; r < rows; r++) {  /* out += (d * s) * dot + m * (s * sum a) */
+                        long row = (r0 + r) * blocks + kb;
+                        vf dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(dots + r * GROUP + 16 * p)));
+                        vf o = vf_load(out + r * GROUP + 16 * p);
+                        o = vf_fmadd(vf_mul(d, vf_set1(a->scale[row])), dot, o);
+                        o = vf_fmadd(m, vf_set1(a->scaled_sum[row]), o);
+                        vf_store(out + r * GROUP + 16 * p, o);
+                    }
+                }
+            }
+            for (int p = 0; p < 4 && mask[p]; p++) {  /* the bf16 build's epilogue: (out + bias), then + y */
+                vf bias = a->bias ? vf_load_mask(a->bias + g * GROUP + 16 * p, mask[p]) : vf_zero();
+                for (long r = 0; r < rows; r++) {
+                    float *yr = a->y + (r0 + r) * a->ldy + g * GROUP + 16 * p;
+                    vf o = vf_add(vf_load(out + r * GROUP + 16 * p), bias);
+                    if (a->accumulate) o = vf_add(vf_load_mask(yr, mask[p]), o);
+                    vf_store_mask(yr, mask[p], o);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* The calling thread's int8 copy of the activations and their scales (grown as needed, kept). */
+static _Thread_local int8_t *q4_input;
+static _Thread_local float *q4_scales;
+static _Thread_local long q4_input_size, q4_scales_size;
+
+/* x [M, K] -> int8 rows [Mp, K] (zeros past M) and per (row, block) scale s and s * sum(a). */
+static int q4_quantize(const float *x, long M, long ldx, long K, long Mp) {
+    long blocks = K / Q4_BLOCK;
+    if (Mp * K > q4_input_size) {
+        free(q4_input);
+        q4_input = aligned_alloc(64, (Mp * K + 63) / 64 * 64);
+        q4_input_size = q4_input ? Mp * K : 0;
+    }
+    if (2 * Mp * blocks > q4_scales_size) {
+        free(q4_scales);
+        q4_scales = malloc(sizeof(float) * 2 * Mp * blocks);
+        q4_scales_size = q4_scales ? 2 * Mp * blocks : 0;
+    }
+    if (!q4_input || !q4_scales) return -1;
+    float *scale = q4_scales, *scaled_sum = q4_scales + Mp * blocks;
+    for (long r = 0; r < Mp; r++)
+        for (long kb = 0; kb < blocks; kb++) {
+            int8_t *out = q4_input + r * K + kb * Q4_BLOCK;
+            if (r >= M) {
+                memset(out, 0, Q4_BLOCK);
+                scale[r * blocks + kb] = scaled_sum[r * blocks + kb] = 0;
+                continue;
+            }
+            vf lo = vf_load_mask(x + r * ldx + kb * Q4_BLOCK, 0xFFFF), hi = vf_load_mask(x + r * ldx + kb * Q4_BLOCK + 16, 0xFFFF);
+            float top = vf_reduce_max(vf_max(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            float s = top / 127.0f, inverse = top > 0 ? 127.0f / top : 0.0f;
+            __m512i qlo = _mm512_cvtps_epi32(vf_mul(lo, vf_set1(inverse)));  /* round to nearest even */
+            __m512i qhi = _mm512_cvtps_epi32(vf_mul(hi, vf_set1(inverse)));
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qhi));
+            scale[r * blocks + kb] = s;
+            scaled_sum[r * blocks + kb] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        }
+    return 0;
+}
+
+/* y [M, N] (+)= x [M, K] @ W (4-bit, the layout above; K a multiple of 32) (+ bias). Returns -1
+ * (y filled with NaN) without memory for the int8 copy of x. */
+static int q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, long N, float *y, long ldy,
+                   const float *bias, int accumulate) {
+    long rows = M < AMX_ROWS ? M : AMX_ROWS, Mp = (M + rows - 1) / rows * rows;
+    if (q4_quantize(x, M, ldx, K, Mp)) {
+        for (long r = 0; r < M; r++)
+            for (long n = 0; n < N; n++) y[r * ldy + n] = NAN;
+        return -1;
+    }
+    q4_args args = {q4_input, q4_scales, q4_scales + Mp * (K / Q4_BLOCK), M, rows, K, N, w, y, ldy, bias, accumulate};
+    parallel_for(q4_groups, &args, (N + GROUP - 1) / GROUP, 2);
+    return 0;
+}
+#else
+static int q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, long N, float *y, long ldy,
+                   const float *bias, int accumulate) {
+    (void)x, (void)ldx, (void)w, (void)K, (void)bias, (void)accumulate;
+    for (long r = 0; r < M; r++)
+        for (long n = 0; n < N; n++) y[r * ldy + n] = NAN;
+    return -1;  /* this build has no 4-bit matmul (dspark_q4_available says so) */
+}
+#endif
+
+int dspark_q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, long N, float *y, long ldy,
+                   const float *bias) {
+    return q4_gemm(x, M, ldx, w, K, N, y, ldy, bias, 0);
+}
+
 /* ---- attention ------------------------------------------------------------------------------
  *
  * Causal grouped-query attention of packed new tokens over the KV pool, one (token, head) at a
@@ -1030,7 +1214,16 @@ typedef struct {
     const decoder_layer *layers;
     const float *final_norm;
     const uint16_t *lm_head;
+    long layer_format;  /* the layer matrices: 0 bf16 (the build's layout), 1 4-bit (q4_gemm); the LM head is bf16 */
 } decoder_model;
+
+/* One of a layer's four matmuls, in the model's layer format. */
+static int layer_matmul(const decoder_model *m, const float *x, long M, long ldx, const uint16_t *w, long K, long N,
+                        float *y, long ldy, const float *bias, int accumulate) {
+    if (m->layer_format == 1) return q4_gemm(x, M, ldx, (const uint8_t *)w, K, N, y, ldy, bias, accumulate);
+    gemm(x, M, ldx, w, K, N, y, ldy, bias, accumulate);
+    return 0;
+}
 
 typedef struct {
     long tokens;
@@ -1147,19 +1340,19 @@ int dspark_decoder_forward(const decoder_model *m, float *x, const decoder_call 
         float *keys = c->keys + l * c->layer_stride, *values = c->values + l * c->layer_stride;
         norm_args norm = {x, d, layer->attn_norm, d, m->eps, h, d, 0};
         parallel_for(norm_range, &norm, T, ROWS_PER_THREAD);
-        gemm(h, T, d, layer->qkv, d, qkv_width, qkv, qkv_width, layer->qkv_bias, 0);
+        status = layer_matmul(m, h, T, d, layer->qkv, d, qkv_width, qkv, qkv_width, layer->qkv_bias, 0);
         qkv_args rope = {m, layer, c, qkv, qkv_width, keys, values};
         parallel_for(qkv_range, &rope, T, ROWS_PER_THREAD);
-        status = dspark_attention(qkv, T, qkv_width, m->heads, m->kv_heads, dim, keys, values, c->slot_stride,
+        status = status ? status : dspark_attention(qkv, T, qkv_width, m->heads, m->kv_heads, dim, keys, values, c->slot_stride,
                                   c->head_stride, c->slots, c->visible ? c->visible : c->positions, 1.0f / sqrtf((float)dim),
                                   attn, q_width);
-        gemm(attn, T, q_width, layer->o, q_width, d, x, d, layer->o_bias, 1);  /* x += o(attn) */
+        status = status ? status : layer_matmul(m, attn, T, q_width, layer->o, q_width, d, x, d, layer->o_bias, 1);  /* x += o(attn) */
         norm_args mlp_norm = {x, d, layer->mlp_norm, d, m->eps, h, d, 0};
         parallel_for(norm_range, &mlp_norm, T, ROWS_PER_THREAD);
-        gemm(h, T, d, layer->gate_up, d, 2 * inter, gate_up, 2 * inter, 0, 0);
+        status = status ? status : layer_matmul(m, h, T, d, layer->gate_up, d, 2 * inter, gate_up, 2 * inter, 0, 0);
         silu_args silu = {gate_up, inter, act};
         parallel_for(silu_range, &silu, T, ROWS_PER_THREAD);
-        gemm(act, T, inter, layer->down, inter, d, x, d, 0, 1);  /* x += down(silu(gate) * up) */
+        status = status ? status : layer_matmul(m, act, T, inter, layer->down, inter, d, x, d, 0, 1);  /* x += down(silu(gate) * up) */
         for (long f = 0; f < c->num_features; f++)
             if (c->feature_layers[f] == l)
                 for (long t = 0; t < T; t++)

@@ -73,7 +73,7 @@ class Isa:
 # source); avx512: F (the FMAs) and BW (the 16-bit shuffles that widen bf16 weights).
 ISAS = {
     "amx": Isa(("amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512bw"),
-               ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+               ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")),
     "avx512": Isa(("avx512f", "avx512bw"), ("-mavx512f", "-mavx512bw")),
     "avx2": Isa(("avx2", "fma"), ("-mavx2", "-mfma")),
 }
@@ -146,7 +146,7 @@ class _DecoderModel(ctypes.Structure):  # decoder_model
     _fields_ = [*((name, ctypes.c_long) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
                                                      "intermediate", "vocab")),
                 ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_DecoderLayer)), ("final_norm", _pointer),
-                ("lm_head", _pointer)]
+                ("lm_head", _pointer), ("layer_format", ctypes.c_long)]
 
 
 class _ContextModel(ctypes.Structure):  # context_model
@@ -177,6 +177,9 @@ def _open(compiler: str, isa: str) -> ctypes.CDLL:
     void, long_ = ctypes.c_void_p, ctypes.c_long
     library.dspark_bf16_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
     library.dspark_bf16_gemm.restype = None
+    library.dspark_q4_available.restype = ctypes.c_int
+    library.dspark_q4_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
+    library.dspark_q4_gemm.restype = ctypes.c_int
     library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
                                          void, void, ctypes.c_float, void, long_]
     library.dspark_attention.restype = ctypes.c_int
@@ -329,6 +332,82 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     return out
 
 
+Q4_BLOCK = 32  # inputs per Q4_1 block (cpu_kernels.c)
+
+
+def q4_available() -> bool:
+    """Whether the loaded build runs 4-bit weights (`--dtype int4`): the AMX build, on a CPU with
+    AMX-INT8 (Intel Sapphire Rapids and later)."""
+    library = _load()  # the AMX build compiles it; the CPU must also have AMX's int8 tiles
+    return library is not None and library.dspark_q4_available() == 1 and "amx_int8" in _cpu_flags()
+
+
+def q4_unavailable_reason() -> str | None:
+    """Why `--dtype int4` cannot run here (None when it can)."""
+    if q4_available():
+        return None
+    if _load() is None:
+        return f"our CPU kernels are off here: {unavailable_reason()}"
+    return (f"4-bit weights run on AMX-INT8 tiles (Intel Xeon Sapphire Rapids or later); this CPU runs the "
+            f"{isa()} build")
+
+
+class Q4Weight:
+    """A weight `[in, out]` quantized to 4 bits the way the GGUF stores SmolLM2's decoder matrices:
+    Q4_1 blocks of 32 inputs per output column, w = d * q + m with q in 0..15 and d, m in fp16
+    (ggml's `quantize_row_q4_1`: m the block's minimum, d = (max - m) / 15, q = the nearest step).
+    Weights that came from Q4_1 blocks (a GGUF target de-quantised) get those blocks back, so
+    their 4-bit copy *is* the model: `dequantize()` returns exactly the fp32 weights it holds.
+    `data` is the layout `cpu_kernels.c` reads (its 4-bit section): nibbles, then d, then m."""
+
+    def __init__(self, weight_t: torch.Tensor):
+        in_features, out_features = weight_t.shape
+        self.in_features, self.out_features = in_features, out_features
+        blocks, groups = -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
+        w = torch.zeros(blocks * Q4_BLOCK, groups * GROUP_COLUMNS)
+        w[:in_features, :out_features] = weight_t.detach().float()
+        w = w.view(blocks, Q4_BLOCK, groups * GROUP_COLUMNS)
+        low, high = w.amin(1), w.amax(1)  # [blocks, columns]
+        step = (high - low) / 15
+        inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
+        q = ((w - low[:, None]) * inverse[:, None] + 0.5).floor().clamp(0, 15).to(torch.uint8)  # as ggml (fp32)
+        self.d, self.m = step.half(), low.half()  # [blocks, columns]
+        self.q = q  # [blocks, 32, columns]
+        # B-tile bytes: [G, blocks, tile, row r, byte b] = q[block, 4 r + b % 4, 64 g + 16 tile + b // 4]
+        tiles = q.view(blocks, 8, 4, groups, 4, 16).permute(3, 0, 4, 1, 5, 2).reshape(groups, blocks, 4, 8, 64)
+        nibbles = tiles[..., :32] | (tiles[..., 32:] << 4)
+        scales = [t.view(blocks, groups, GROUP_COLUMNS).transpose(0, 1).contiguous().view(torch.uint8).reshape(-1)
+                  for t in (self.d, self.m)]
+        self.data = torch.cat([nibbles.reshape(-1), *scales])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight `[in, out]` these blocks hold (d * q + m, in fp32, as the GGUF reader)."""
+        w = self.d.float()[:, None] * self.q.float() + self.m.float()[:, None]
+        return w.reshape(-1, w.shape[-1])[: self.in_features, : self.out_features]
+
+    def num_bytes(self) -> int:
+        return self.data.numel()
+
+
+def q4_matmul(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [rows, in]` fp32 @ a 4-bit weight (+ bias) -> `[rows, out]` fp32, each row's input
+    quantized to int8 per block of 32 (cpu_kernels.c). Needs `q4_available()`."""
+    if not q4_available():
+        raise RuntimeError(q4_unavailable_reason())
+    if weight.in_features % Q4_BLOCK:
+        raise ValueError(f"4-bit weights need in_features a multiple of {Q4_BLOCK}, got {weight.in_features}")
+    _require_fp32_contiguous(x=x)
+    rows = x.shape[0]
+    out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    if rows and _library.dspark_q4_gemm(x.data_ptr(), rows, x.stride(0), weight.data.data_ptr(), weight.in_features,
+                                        weight.out_features, out.data_ptr(), weight.out_features,
+                                        None if bias is None else bias.data_ptr()):
+        raise MemoryError("the 4-bit matmul could not allocate its int8 copy of the input")
+    return out
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
     """Causal attention of new tokens over one layer of the KV pool, each token on its own.
@@ -428,10 +507,10 @@ class DecoderLayerWeights:
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    qkv: PackedWeight  # [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v columns in that order
-    o: PackedWeight
-    gate_up: PackedWeight  # [hidden, 2 * intermediate]: gate columns, then up
-    down: PackedWeight
+    qkv: PackedWeight | Q4Weight  # [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v columns in that order
+    o: PackedWeight | Q4Weight
+    gate_up: PackedWeight | Q4Weight  # [hidden, 2 * intermediate]: gate columns, then up
+    down: PackedWeight | Q4Weight
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # per-head norms of qk-norm models (Qwen3)
@@ -469,10 +548,16 @@ class FusedDecoder:
             self._keep.append(tensor)
             return tensor.data_ptr()
 
-        for layer in layers:
-            for name, packed in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
-                if packed.data.dtype != torch.bfloat16:
-                    raise ValueError(f"{name}: the fused pass takes bf16 packed weights")
+        kinds = {type(getattr(layer, name)) for layer in layers for name in ("qkv", "o", "gate_up", "down")}
+        if kinds not in ({PackedWeight}, {Q4Weight}):
+            raise ValueError("the fused pass takes the layers' matrices all as PackedWeight (bf16) or all as "
+                             f"Q4Weight (4-bit), got {sorted(k.__name__ for k in kinds)}")
+        layer_format = 1 if kinds == {Q4Weight} else 0
+        if layer_format and not q4_available():
+            raise RuntimeError(q4_unavailable_reason())
+        if layer_format and (shape.hidden % Q4_BLOCK or shape.intermediate % Q4_BLOCK
+                             or shape.heads * shape.head_dim % Q4_BLOCK):
+            raise ValueError(f"4-bit weights need the matmuls' input sizes to be multiples of {Q4_BLOCK}")
         self._layers = (_DecoderLayer * len(layers))()
         for slot, layer in zip(self._layers, layers):
             for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv_bias", "o_bias"):
@@ -484,7 +569,7 @@ class FusedDecoder:
         self._keep.append(lm_head.data)
         self._model = _DecoderModel(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                     shape.intermediate, shape.vocab, shape.eps, self._layers,
-                                    address(final_norm), lm_head.data.data_ptr())
+                                    address(final_norm), lm_head.data.data_ptr(), layer_format)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,

@@ -75,12 +75,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # invariant (row by row it is).
 
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int4")
 DEFAULT_DTYPE = "auto"
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """A `--dtype` choice -> the target's weight dtype.
+    """A `--dtype` choice -> the target's weight dtype (`torch.int4` for int4: 4-bit layer matrices).
 
     `auto` (the default) is bfloat16 on a CPU where our bf16 kernel runs (it is faster there at
     every row count, measured: `benchmarks/matmul_kernels.py`) and float32 elsewhere: through
@@ -90,6 +90,13 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """
     if name not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    if name == "int4":  # the layers' matrices in 4 bits (`TargetModel.use_int4_weights`): our AMX-INT8 kernels only
+        from dspark_trt.kernels import cpu_kernels
+
+        if torch.device(device).type != "cpu" or not cpu_kernels.q4_available():
+            why = "it runs on the CPU" if torch.device(device).type != "cpu" else cpu_kernels.q4_unavailable_reason()
+            raise ValueError(f"dtype int4 is not available here: {why}; use bfloat16 (or auto)")
+        return torch.int4
     if name == "auto":
         from dspark_trt.kernels import cpu_kernels
 

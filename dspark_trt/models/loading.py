@@ -144,9 +144,10 @@ def eos_ids_of(folder: Path, config: TargetConfig, tokenizer) -> frozenset[int]:
 
 
 def load_target(spec: str | os.PathLike = "default", dtype: torch.dtype = torch.float32) -> LoadedTarget:
-    """`dtype`: float32, or bfloat16 = bf16 weight matrices with fp32 activations (`models/linear.py`)."""
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    """`dtype`: float32, bfloat16 = bf16 weight matrices with fp32 activations (`models/linear.py`),
+    or int4 = 4-bit layer matrices (`TargetModel.use_int4_weights`)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.int4):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.int4, got {dtype}")
     name, folder = resolve_target(spec)
     config = TargetConfig.from_folder(folder)
     state = read_safetensors(folder)
@@ -160,5 +161,10 @@ def load_target(spec: str | os.PathLike = "default", dtype: torch.dtype = torch.
     model.eval().requires_grad_(False)
     if dtype == torch.bfloat16:
         use_bf16_weights(model)
+    elif dtype == torch.int4:
+        try:
+            model.use_int4_weights()
+        except RuntimeError as exc:
+            raise ModelLoadError(str(exc)) from None
     tokenizer = load_tokenizer(folder)
     return LoadedTarget(name, folder, config, model, tokenizer, eos_ids_of(folder, config, tokenizer))

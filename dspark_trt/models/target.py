@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_trt.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from dspark_trt.models.linear import DerivedFromWeights, FrozenLinear, in_row_by_row_mode, one_row_at_a_time
+from dspark_trt.models.linear import (DerivedFromWeights, FrozenLinear, in_row_by_row_mode, one_row_at_a_time,
+                                     use_bf16_weights)
 from dspark_trt.models.target_config import TargetConfig
 from dspark_trt.models.kv_cache import KVCache, KVPool
 
@@ -223,6 +224,9 @@ class TargetLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+LAYER_MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's FrozenLinear matrices
+
+
 class TargetModel(nn.Module):
     """A frozen Llama-family decoder with a ragged-batch, KV-cached forward pass."""
 
@@ -238,6 +242,7 @@ class TargetModel(nn.Module):
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
         self._fused = DerivedFromWeights()  # cpu_kernels.FusedDecoder of these weights (`_fused_decoder`)
+        self._int4: list[dict] | None = None  # per layer, its matrices' 4-bit copies (`use_int4_weights`)
 
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         """KV memory for `num_slots` concurrent requests of up to `slot_capacity` tokens each."""
@@ -300,10 +305,10 @@ class TargetModel(nn.Module):
         c = self.config
         shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                          c.intermediate_size, c.vocab_size, c.rms_norm_eps)
+        matrices = self._int4 or [{name: getattr(layer, name).packed() for name in LAYER_MATRICES} for layer in self.layers]
         layers = [cpu_kernels.DecoderLayerWeights(
-            attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm, qkv=layer.qkv.packed(), o=layer.o.packed(),
-            gate_up=layer.gate_up.packed(), down=layer.down.packed(), qkv_bias=layer.qkv.bias,
-            o_bias=layer.o.bias, q_norm=layer.q_norm, k_norm=layer.k_norm) for layer in self.layers]
+            attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm, **packed, qkv_bias=layer.qkv.bias,
+            o_bias=layer.o.bias, q_norm=layer.q_norm, k_norm=layer.k_norm) for layer, packed in zip(self.layers, matrices)]
         return cpu_kernels.FusedDecoder(shape, layers, self.final_norm, self.lm_head.packed())
 
     @torch.inference_mode()
@@ -382,19 +387,45 @@ class TargetModel(nn.Module):
             self._fused_decoder()
 
     def _runs_cpu_kernels(self) -> bool:
-        """The bf16 CPU target runs through our kernels (batch invariant at full speed); fp32
-        keeps PyTorch's ops, the reference checked against transformers."""
-        if self.weight_dtype != torch.bfloat16 or not self.embed.is_cpu:
+        """The bf16 and int4 CPU targets run through our kernels (batch invariant at full speed);
+        fp32 keeps PyTorch's ops, the reference checked against transformers."""
+        if self.weight_dtype not in (torch.bfloat16, torch.int4) or not self.embed.is_cpu:
             return False
         from dspark_trt.kernels import cpu_kernels
 
         return cpu_kernels.available()
 
+    def use_int4_weights(self) -> None:
+        """`--dtype int4`: the layers' matrices in 4 bits (`cpu_kernels.Q4Weight`: Q4_1 blocks, the
+        GGUF's own format), each matmul's input quantized to int8 per block of 32 in the kernel;
+        the LM head in bf16. The fp32 weights are replaced by what the 4-bit blocks hold, so the
+        PyTorch path computes with the same weights (not with int8 inputs: it is a reference).
+        Needs our kernels' AMX-INT8 build (RuntimeError saying why not)."""
+        from dspark_trt.kernels import cpu_kernels
+
+        if not cpu_kernels.q4_available():
+            raise RuntimeError(f"dtype int4: {cpu_kernels.q4_unavailable_reason()}")
+        self._int4 = []
+        for layer in self.layers:
+            packed = {}
+            for name in LAYER_MATRICES:
+                linear = getattr(layer, name)
+                packed[name] = cpu_kernels.Q4Weight(linear.weight_t)
+                linear.weight_t.data = packed[name].dequantize().contiguous()
+            self._int4.append(packed)
+        use_bf16_weights(self.lm_head)
+
     @property
     def weight_dtype(self) -> torch.dtype:
-        """float32, or bfloat16 when the weight matrices are bf16 (`linear.use_bf16_weights`)."""
-        return self.lm_head.weight_t.dtype
+        """float32; bfloat16 when the weight matrices are bf16 (`linear.use_bf16_weights`); int4
+        when the layers' are 4-bit (`use_int4_weights`)."""
+        return torch.int4 if self._int4 is not None else self.lm_head.weight_t.dtype
 
     def weight_bytes(self) -> int:
         """Bytes read per decode step (every weight once; the tied embedding table is not read)."""
+        if self._int4 is not None:
+            matrices = {id(getattr(layer, name).weight_t) for layer in self.layers for name in LAYER_MATRICES}
+            rest = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
+                       if n != "embed" and id(p) not in matrices)
+            return rest + sum(w.num_bytes() for packed in self._int4 for w in packed.values())
         return sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n != "embed")

@@ -119,7 +119,7 @@ class LLM:
             from dspark_trt.runtime.eagle_proposer import EagleProposer
 
             model = load_drafter(drafter, self.target)
-            if weight_dtype == torch.bfloat16:
+            if weight_dtype in (torch.bfloat16, torch.int4):  # an int4 target's drafter: bf16
                 model.use_bf16_weights()
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
             if built is not None and (drafter_graph if drafter_graph is not None else built.backend == "tensorrt"):
