@@ -1,10 +1,13 @@
-"""How close is the bf16 target to the fp32 one? Greedy agreement and next-token KL on the evaluation sets.
+"""How close is the bf16 (or int4) target to the fp32 one? Greedy agreement and next-token KL on the evaluation sets.
 
-    python benchmarks/dtype_accuracy.py [--num-prompts 20] [--max-tokens 64] \
+    python benchmarks/dtype_accuracy.py [--dtype bfloat16|int4] [--num-prompts 20] [--max-tokens 64] \
         [--output benchmarks/results/dtype_accuracy.json]
 
 `--dtype bfloat16` rounds every weight matrix to bf16 and keeps everything else in fp32
-(`models/linear.py`). For the first N prompts of MT-Bench, HumanEval and GSM8K (chat template):
+(`models/linear.py`); `--dtype int4` holds the layers' matrices in their 4-bit Q4_1 blocks and
+quantizes each matmul's input to int8 (`TargetModel.use_int4_weights`; AMX-INT8 CPUs). In what
+follows "bf16" stands for the dtype compared. For the first N prompts of MT-Bench, HumanEval and
+GSM8K (chat template):
 1. fp32 decodes greedily (the reference, itself checked against transformers by the tests);
 2. both dtypes then score that same sequence (teacher forcing): the mean and largest KL(fp32 ||
    bf16) of the next-token distributions at every response position, and how often the two
@@ -53,20 +56,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 # What `--dtype bfloat16` computes, by the kernel build that ran it (DSPARK_TRT_KERNEL_ISA picks one).
 WHAT = {"amx": "bfloat16 on the AMX build = bf16 weight matrices, each matmul's input rounded to bf16, fp32 "
                "accumulation, norms, attention and residual stream; against float32",
-        None: "bfloat16 = bf16 weight matrices, fp32 activations, against float32"}
+        None: "bfloat16 = bf16 weight matrices, fp32 activations, against float32",
+        "int4": "int4 = the layers' matrices in their GGUF Q4_1 blocks (4-bit), each matmul's input quantized "
+                "to int8 per block of 32, the LM head bf16 (its input rounded to bf16 on AMX); against float32"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="default")
+    parser.add_argument("--dtype", choices=("bfloat16", "int4"), default="bfloat16", help="the dtype compared with float32")
     parser.add_argument("--num-prompts", type=int, default=20, help="prompts per dataset")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/dtype_accuracy.json"))
     args = parser.parse_args()
 
     reference = LLM(target=args.target, dtype="float32", max_batch_size=args.num_prompts)
-    fast = LLM(target=args.target, dtype="bfloat16", max_batch_size=args.num_prompts)
-    models = {"float32": reference.target.model, "bfloat16": load_target(args.target, torch.bfloat16).model}
+    fast = LLM(target=args.target, dtype=args.dtype, max_batch_size=args.num_prompts)
+    compared = torch.int4 if args.dtype == "int4" else torch.bfloat16
+    models = {"float32": reference.target.model, "bfloat16": load_target(args.target, compared).model}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     results = {}
     for dataset in DATASETS:
@@ -99,7 +106,8 @@ def main() -> int:
     report = {"command": "python benchmarks/dtype_accuracy.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
               "target": reference.target.name, "max_tokens": args.max_tokens,
-              "what": WHAT.get(cpu_kernels.isa(), WHAT[None]), "kernel_isa": cpu_kernels.isa(),
+              "dtype": args.dtype, "what": WHAT["int4"] if args.dtype == "int4" else WHAT.get(cpu_kernels.isa(), WHAT[None]),
+              "kernel_isa": cpu_kernels.isa(),
               "cpu": cpu_device_name(), "datasets": results}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_suffix(".tmp")

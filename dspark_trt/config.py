@@ -90,7 +90,8 @@ class BuildConfig(Strict):
     # profile is measured in it): auto = bfloat16 where our bf16 kernel runs, else float32. The
     # ONNX graphs are exported in fp32 either way and validated against torch; engines.precision
     # fp16/bf16 adds onnx/target.{fp16,bf16}.onnx, the graph TensorRT builds (strongly typed).
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # int4: the layers' matrices in their 4-bit Q4_1 blocks (CPUs with AMX-INT8; refused elsewhere).
+    dtype: Literal["auto", "float32", "bfloat16", "int4"] = "auto"
     opset: int = Field(default=20, ge=17)
     exporter: Literal["dynamo", "torchscript"] = "dynamo"  # torch.export, or the legacy (faster, deprecated) tracer
     target_shapes: TargetShapes = TargetShapes()

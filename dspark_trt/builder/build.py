@@ -162,6 +162,13 @@ def build(config: BuildConfig, output: str | os.PathLike, fmt: str = "dspark", f
         reason = why_no_engines()
         if reason:
             raise BuildError(f"engines.build is 'require' but {reason}")
+    if config.dtype == "int4":  # refused here, before minutes of export, where it cannot run
+        from dspark_trt.models.linear import resolve_dtype
+
+        try:
+            resolve_dtype("int4", "cpu")
+        except ValueError as exc:
+            raise BuildError(f"dtype: {exc}") from None
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(output)
     staging = _staging_dir(output)
@@ -290,8 +297,10 @@ def use_runtime_dtype(config: BuildConfig, target, drafter) -> str:
     dtype = resolve_dtype(config.dtype, "cpu")
     if dtype == torch.bfloat16:
         use_bf16_weights(target.model)
-        if drafter is not None:
-            drafter.use_bf16_weights()
+    elif dtype == torch.int4:  # the layers' matrices in 4 bits; the drafter in bf16
+        target.model.use_int4_weights()
+    if drafter is not None and dtype in (torch.bfloat16, torch.int4):
+        drafter.use_bf16_weights()
     return dtype_name(dtype)
 
 
