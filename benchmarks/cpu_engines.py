@@ -9,7 +9,8 @@ drafter's feature layers returned: a verification step of T - 1 draft tokens. Me
 `--repeats`, ms. Candidates (issue #42, item 1), each a whole step (attention, norms, KV writes):
 - `kernels_<isa>`: our C kernels (`kernels/cpu_kernels.c`, bf16 weights, fp32 activations) for
   every instruction set this CPU runs (AVX-512, AVX2+FMA), each in its own process
-  (`DSPARK_TRT_KERNEL_ISA` picks the variant once per process);
+  (`DSPARK_TRT_KERNEL_ISA` picks the variant once per process); `kernels_int4`: the same with
+  `--dtype int4` (4-bit layer matrices, AMX-INT8 CPUs only), against its own weight-read floor;
 - `torch_fp32`: the fp32 PyTorch reference (OpenBLAS/oneDNN), what a CPU without our kernels ran;
 - `ort_fp32` / `ort_int4`: ONNX Runtime (MLAS) over the builder's `target.onnx` as exported (the
   KV pool goes in as `past_*` and comes out copied as `present_*`), and the same graph with its
@@ -89,7 +90,7 @@ def measure_ours(dtype_name: str, tokens: list[int], context: int, repeats: int)
         model(ids, [count], [cache], torch.arange(count), layers)
         cache.truncate(context)
 
-    isa = cpu_kernels.isa() if dtype == torch.bfloat16 and model._runs_cpu_kernels() else None
+    isa = cpu_kernels.isa() if dtype in (torch.bfloat16, torch.int4) and model._runs_cpu_kernels() else None
     return {"ms": time_steps(step, tokens, repeats), "kernel_isa": isa, "weight_bytes": model.weight_bytes()}
 
 
@@ -147,7 +148,9 @@ def child(args) -> None:
     """Measure one candidate (named by CANDIDATE_ENV) and print its JSON."""
     name = os.environ[CANDIDATE_ENV]
     tokens = [int(t) for t in args.tokens.split(",")]
-    if name.startswith("kernels_"):
+    if name == "kernels_int4":
+        result = measure_ours("int4", tokens, args.context, args.repeats)
+    elif name.startswith("kernels_"):
         result = measure_ours("bfloat16", tokens, args.context, args.repeats)
     elif name == "torch_fp32":
         result = measure_ours("float32", tokens, args.context, args.repeats)
@@ -190,6 +193,8 @@ def main() -> int:
     cpu = cpu_summary()
     print(f"CPU: {cpu['name']} x{cpu['cores']}, {' '.join(cpu['isa'])}")
     candidates = {f"kernels_{isa}": {"DSPARK_TRT_KERNEL_ISA": isa} for isa in cpu_kernels.supported_isas()}
+    if cpu_kernels.q4_available():  # --dtype int4: 4-bit layer matrices (AMX-INT8)
+        candidates["kernels_int4"] = {}
     candidates["torch_fp32"] = {"DSPARK_TRT_BF16_KERNEL": "off"}
     with tempfile.TemporaryDirectory() as scratch:
         if not args.no_ort:
@@ -205,16 +210,20 @@ def main() -> int:
                 results[name] = measured
                 print("  " + ", ".join(f"{t} tok {ms:.1f} ms" for t, ms in measured["ms"].items()))
     bandwidth = read_bandwidth_gbs()
-    bf16_bytes = next((r["weight_bytes"] for n, r in results.items() if n.startswith("kernels_")), None)
+    bf16_bytes = next((r["weight_bytes"] for n, r in results.items() if n.startswith("kernels_") and n != "kernels_int4"),
+                      None)
     floors = {}
     if bf16_bytes:
         floors = {"bfloat16": bf16_bytes / (bandwidth * 1e9) * 1e3, "float32": 2 * bf16_bytes / (bandwidth * 1e9) * 1e3}
+    if "kernels_int4" in results:  # its own bytes: the 4-bit blocks and the bf16 LM head
+        floors["int4"] = results["kernels_int4"]["weight_bytes"] / (bandwidth * 1e9) * 1e3
     summary = {}
     for name, result in results.items():
         ms = result["ms"]
         one = ms["1"]
         entry = {"one_token_ms": one, "ratio_to_one_token": {t: v / one for t, v in ms.items()}}
-        floor = floors.get("bfloat16" if name.startswith("kernels_") else "float32" if "fp32" in name else None)
+        floor = floors.get("int4" if name == "kernels_int4" else "bfloat16" if name.startswith("kernels_")
+                           else "float32" if "fp32" in name else None)
         if floor:
             entry["one_token_over_floor"] = one / floor
         summary[name] = entry

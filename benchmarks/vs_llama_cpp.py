@@ -12,7 +12,7 @@ drift on a shared machine falls on all alike:
 - `llama_cpp`: llama-cpp-python over the embedded GGUF (`SmolLM2-135M-Instruct.Q4_1.gguf`), all
   cores, in a child process of `--llama-python` (an interpreter where `llama_cpp` imports; build it
   with `pip install llama-cpp-python`, which compiles llama.cpp for this CPU);
-- `ours_plain`: `LLM(policy="none")`, the default dtype and engine;
+- `ours_plain`: `LLM(policy="none")`, the engine of `--dtype` (default: auto);
 - `ours_dspark`: `LLM(drafter="default")` with the default policy (`auto`: confidence-scheduled).
 Each arm is warmed up on the first prompt before timing. Reports medians over rounds per dataset,
 the ratios to llama.cpp, and how many of our greedy
@@ -100,6 +100,8 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int4"),
+                        help="our arms' weights (int4: the GGUF's own 4-bit blocks, AMX-INT8 CPUs)")
     parser.add_argument("--llama-python", default=sys.executable, help="a Python where llama_cpp imports")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "vs_llama_cpp.json")
     args = parser.parse_args()
@@ -112,11 +114,11 @@ def main() -> int:
     from cpu_engines import cpu_summary
 
     gguf = default_gguf()
-    plain = LLM(target="default", policy="none")
-    speculative = LLM(target="default", drafter="default")
+    plain = LLM(target="default", policy="none", dtype=args.dtype)
+    speculative = LLM(target="default", drafter="default", dtype=args.dtype)
     report = {"command": "python benchmarks/vs_llama_cpp.py " + " ".join(sys.argv[1:]), "cpu": cpu_summary(),
               "gguf": gguf.name, "max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
-              "ours_policy": speculative.engine.policy.name, "datasets": {}}
+              "ours_policy": speculative.engine.policy.name, "ours_dtype": plain.dtype, "datasets": {}}
     print(f"CPU: {report['cpu']['name']} x{report['cpu']['cores']}, {' '.join(report['cpu']['isa'])}")
     for dataset in datasets:
         prompts = [plain.encode_chat(p.messages) for p in load_prompts(dataset, args.num_prompts)]  # as `eval`

@@ -1,4 +1,4 @@
-"""The int4 engine (`--dtype int4`): 4-bit Q4_1 layer matrices, each matmul's input quantized to int8.
+"""The int4 engine (`--dtype int4`): 4-bit Q4_1 layer matrices and a Q8_0 LM head, each matmul's input quantized to int8.
 
 The weights are the GGUF's own blocks (checked on the embedded default's real weights); the kernel
 computes its stated arithmetic (checked against the same arithmetic in PyTorch) row by row, so a
@@ -30,7 +30,7 @@ needs_int4 = pytest.mark.skipif(not cpu_kernels.q4_available(),
                                 reason=f"int4 kernel: {cpu_kernels.q4_unavailable_reason()}")
 
 
-def quantized_reference(x: torch.Tensor, weight: cpu_kernels.Q4Weight) -> torch.Tensor:
+def quantized_reference(x: torch.Tensor, weight) -> torch.Tensor:
     """What the kernel states it computes, in float64: each row's input quantized to int8 per block
     of 32 (a = round(x * 127 / max|x|), s = max|x| / 127), times the 4-bit blocks' weights."""
     rows, in_features = x.shape
@@ -53,14 +53,25 @@ def test_4bit_blocks_hold_the_weights_they_came_from():
     assert torch.equal(constant.dequantize(), torch.full((32, 64), 0.25))
 
 
+def test_8bit_blocks_hold_the_weights_they_came_from():
+    generator = torch.Generator().manual_seed(3)
+    weight = cpu_kernels.Q8Weight(torch.randn(64, 200, generator=generator) * 0.05)
+    again = cpu_kernels.Q8Weight(weight.dequantize())
+    assert torch.equal(again.data, weight.data) and torch.equal(again.dequantize(), weight.dequantize())
+    assert weight.q.abs().max() == 127 and weight.dequantize().shape == (64, 200)
+
+
 def test_the_default_targets_matrices_are_its_gguf_blocks():
-    """SmolLM2's decoder matrices come from Q4_1 blocks in its GGUF: every weight of a layer's four
-    matrices (de-quantised by transformers, cached as safetensors) quantizes back exactly."""
+    """SmolLM2's decoder matrices come from Q4_1 blocks in its GGUF and its tied LM head from Q8_0
+    ones: every weight of a layer's four matrices and of the LM head (de-quantised by transformers,
+    cached as safetensors) quantizes back exactly."""
     model = load_target("default", torch.float32).model
     for layer in (model.layers[0], model.layers[-1]):
         for name in ("qkv", "o", "gate_up", "down"):
             weight = getattr(layer, name).weight_t.detach()
             assert torch.equal(cpu_kernels.Q4Weight(weight).dequantize(), weight), name
+    head = model.lm_head.weight_t.detach()
+    assert torch.equal(cpu_kernels.Q8Weight(head).dequantize(), head)
 
 
 @needs_int4
@@ -78,6 +89,10 @@ def test_the_int4_kernel_computes_its_stated_arithmetic(in_features, out_feature
         got = cpu_kernels.q4_matmul(x, weight)
         assert (got.double() - reference).abs().max() < 1e-5 * (1 + reference.abs().max()), rows
         assert torch.equal(cpu_kernels.q4_matmul(x, weight, bias), got + bias)
+        eight = cpu_kernels.Q8Weight(weight.dequantize())
+        reference = quantized_reference(x, eight)
+        got = cpu_kernels.q8_matmul(x, eight)
+        assert (got.double() - reference).abs().max() < 1e-5 * (1 + reference.abs().max()), rows
         # and near the fp32 product: the int8 inputs are the only approximation
         exact = x @ weight.dequantize()
         assert (got - exact).abs().max() < 0.05 * exact.abs().max()
@@ -88,20 +103,23 @@ def test_int4_rows_do_not_depend_on_the_other_rows():
     generator = torch.Generator().manual_seed(1)
     weight = cpu_kernels.Q4Weight(torch.randn(256, 64 * 40, generator=generator) * 0.05)  # 40 groups: both threads
     x = torch.randn(37, 256, generator=generator) * torch.rand(37, 1, generator=generator) * 10
-    alone = torch.cat([cpu_kernels.q4_matmul(row[None], weight) for row in x])
-    assert torch.equal(cpu_kernels.q4_matmul(x, weight), alone)
-    assert torch.equal(cpu_kernels.q4_matmul(x[5:11], weight), alone[5:11])
+    eight = cpu_kernels.Q8Weight(weight.dequantize())
+    for matmul, packed in ((cpu_kernels.q4_matmul, weight), (cpu_kernels.q8_matmul, eight)):
+        alone = torch.cat([matmul(row[None], packed) for row in x])
+        assert torch.equal(matmul(x, packed), alone)
+        assert torch.equal(matmul(x[5:11], packed), alone[5:11])
 
 
 @needs_int4
 def test_the_int4_target_runs_its_4bit_weights_in_one_c_pass(tiny_llama):
-    """`dtype int4`: the layers' matrices become their 4-bit blocks (the PyTorch path then holds
-    the same weights), the LM head bf16; the fused pass stays within int8 rounding of that path,
-    and a step reads ~4x fewer bytes of layer weights."""
+    """`dtype int4`: the layers' matrices become their 4-bit blocks and the LM head its 8-bit ones
+    (the PyTorch path then holds the same weights); the fused pass stays within int8 rounding of
+    that path, and a step reads fewer bytes than bf16's."""
     exact = load_target(tiny_llama, torch.float32).model
     model = load_target(tiny_llama, torch.int4).model
     assert model.weight_dtype == torch.int4 and model._runs_cpu_kernels()
-    assert model.lm_head.weight_t.dtype == torch.bfloat16
+    head = exact.lm_head.weight_t.detach()
+    assert torch.equal(model.lm_head.weight_t, cpu_kernels.Q8Weight(head).dequantize())
     for ours, theirs in zip(model.layers, exact.layers):
         weight = theirs.down.weight_t.detach()
         assert torch.equal(ours.down.weight_t, cpu_kernels.Q4Weight(weight).dequantize())

@@ -759,7 +759,11 @@ void dspark_bf16_gemm(const float *x, long M, long ldx, const uint16_t *wp, long
  * Layout (`Q4Weight` packs it): [G = ceil(N / 64)][K / 32] blocks of 64 columns x 32 inputs, each
  * 1 KB of nibbles, [4 tiles][8 rows][32 bytes]: byte j of a tile row holds byte j (low nibble)
  * and byte j + 32 (high) of that row of AMX's int8 B tile (byte b: column b / 4, input 4 r + b % 4);
- * then d [G][K / 32][64] and m [G][K / 32][64], fp16. */
+ * then d [G][K / 32][64] and m [G][K / 32][64], fp16.
+ *
+ * The same kernel takes Q8_0 blocks (the GGUF's embedding / tied LM head: w = d * q, q int8, one
+ * TDPBSSD per 16 columns and block, no m): [G][K / 32][4 tiles][8 rows][64 bytes], the int8 B
+ * tiles as they are, then d [G][K / 32][64] fp16. */
 
 #define Q4_BLOCK 32
 
@@ -776,6 +780,7 @@ typedef struct {
     const int8_t *a; const float *scale, *scaled_sum;  /* a [Mp][K]; scale, scaled_sum [Mp][K / 32] */
     long M, rows, K, N;                                  /* rows: per tile (M padded to whole tiles) */
     const uint8_t *w; float *y; long ldy; const float *bias; int accumulate;
+    int bits;                                            /* 4: Q4_1 (uint8 q, with m); 8: Q8_0 (int8 q) */
 } q4_args;
 
 static void q4_configure(int rows) {
@@ -791,8 +796,9 @@ static void q4_configure(int rows) {
 static void q4_groups(const void *ctx, long first, long last) {
     const q4_args *a = (const q4_args *)ctx;
     long K = a->K, blocks = K / Q4_BLOCK, groups = (a->N + GROUP - 1) / GROUP;
+    long block_bytes = a->bits == 4 ? 1024 : 2048;  /* a block's weights: nibbles, or the int8 B tiles as they are */
     const uint8_t *nibbles = a->w;
-    const uint16_t *d_all = (const uint16_t *)(a->w + groups * blocks * 1024), *m_all = d_all + groups * blocks * GROUP;
+    const uint16_t *d_all = (const uint16_t *)(a->w + groups * blocks * block_bytes), *m_all = d_all + groups * blocks * GROUP;
     uint8_t b[4][8 * 64] __attribute__((aligned(64)));
     int32_t dots[AMX_ROWS * GROUP] __attribute__((aligned(64)));
     float out[AMX_ROWS * GROUP] __attribute__((aligned(64)));
@@ -805,27 +811,38 @@ static void q4_groups(const void *ctx, long first, long last) {
             long rows = a->M - r0 < a->rows ? a->M - r0 : a->rows;
             memset(out, 0, sizeof(float) * a->rows * GROUP);
             for (long kb = 0; kb < blocks; kb++) {
-                const uint8_t *packed = nibbles + (g * blocks + kb) * 1024;
-                for (int t = 0; t < 4; t++)
-                    for (int r = 0; r < 8; r++) {  /* a tile row's 64 bytes from 32 bytes of nibbles */
-                        __m256i v = _mm256_loadu_si256((const __m256i *)(packed + (t * 8 + r) * 32));
-                        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
-                                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
-                        _mm512_store_si512((void *)(b[t] + r * 64), both);
-                    }
+                const uint8_t *packed = nibbles + (g * blocks + kb) * block_bytes;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
                 _tile_loadd(4, a->a + r0 * K + kb * Q4_BLOCK, K);
-                _tile_loadd(5, b[0], 64);
-                _tile_dpbsud(0, 4, 5);
-                _tile_loadd(6, b[1], 64);
-                _tile_dpbsud(1, 4, 6);
-                _tile_loadd(5, b[2], 64);
-                _tile_dpbsud(2, 4, 5);
-                _tile_loadd(6, b[3], 64);
-                _tile_dpbsud(3, 4, 6);
+                if (a->bits == 4) {
+                    for (int t = 0; t < 4; t++)
+                        for (int r = 0; r < 8; r++) {  /* a tile row's 64 bytes from 32 bytes of nibbles */
+                            __m256i v = _mm256_loadu_si256((const __m256i *)(packed + (t * 8 + r) * 32));
+                            __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+                            _mm512_store_si512((void *)(b[t] + r * 64), both);
+                        }
+                    _tile_loadd(5, b[0], 64);
+                    _tile_dpbsud(0, 4, 5);
+                    _tile_loadd(6, b[1], 64);
+                    _tile_dpbsud(1, 4, 6);
+                    _tile_loadd(5, b[2], 64);
+                    _tile_dpbsud(2, 4, 5);
+                    _tile_loadd(6, b[3], 64);
+                    _tile_dpbsud(3, 4, 6);
+                } else {  /* int8 x int8, the tiles straight from the weights */
+                    _tile_loadd(5, packed, 64);
+                    _tile_dpbssd(0, 4, 5);
+                    _tile_loadd(6, packed + 512, 64);
+                    _tile_dpbssd(1, 4, 6);
+                    _tile_loadd(5, packed + 1024, 64);
+                    _tile_dpbssd(2, 4, 5);
+                    _tile_loadd(6, packed + 1536, 64);
+                    _tile_dpbssd(3, 4, 6);
+                }
                 _tile_stored(0, dots, GROUP * 4);
                 _tile_stored(1, dots + 16, GROUP * 4);
                 _tile_stored(2, dots + 32, GROUP * 4);
@@ -833,13 +850,13 @@ static void q4_groups(const void *ctx, long first, long last) {
                 const uint16_t *dp = d_all + (g * blocks + kb) * GROUP, *mp = m_all + (g * blocks + kb) * GROUP;
                 for (int p = 0; p < 4; p++) {
                     vf d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * p)));
-                    vf m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * p)));
-                    for (long r = 0; r < rows; r++) {  /* out += (d * s) * dot + m * (s * sum a) */
+                    vf m = a->bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * p))) : vf_zero();
+                    for (long r = 0; r < rows; r++) {  /* out += (d * s) * dot [+ m * (s * sum a)] */
                         long row = (r0 + r) * blocks + kb;
                         vf dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(dots + r * GROUP + 16 * p)));
                         vf o = vf_load(out + r * GROUP + 16 * p);
                         o = vf_fmadd(vf_mul(d, vf_set1(a->scale[row])), dot, o);
-                        o = vf_fmadd(m, vf_set1(a->scaled_sum[row]), o);
+                        if (a->bits == 4) o = vf_fmadd(m, vf_set1(a->scaled_sum[row]), o);
                         vf_store(out + r * GROUP + 16 * p, o);
                     }
                 }
@@ -902,21 +919,22 @@ static int q4_quantize(const float *x, long M, long ldx, long K, long Mp) {
 /* y [M, N] (+)= x [M, K] @ W (4-bit, the layout above; K a multiple of 32) (+ bias). Returns -1
  * (y filled with NaN) without memory for the int8 copy of x. */
 static int q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, long N, float *y, long ldy,
-                   const float *bias, int accumulate) {
+                   const float *bias, int accumulate, int bits) {
     long rows = M < AMX_ROWS ? M : AMX_ROWS, Mp = (M + rows - 1) / rows * rows;
     if (q4_quantize(x, M, ldx, K, Mp)) {
         for (long r = 0; r < M; r++)
             for (long n = 0; n < N; n++) y[r * ldy + n] = NAN;
         return -1;
     }
-    q4_args args = {q4_input, q4_scales, q4_scales + Mp * (K / Q4_BLOCK), M, rows, K, N, w, y, ldy, bias, accumulate};
+    q4_args args = {q4_input, q4_scales, q4_scales + Mp * (K / Q4_BLOCK), M, rows, K, N, w, y, ldy, bias, accumulate,
+                    bits};
     parallel_for(q4_groups, &args, (N + GROUP - 1) / GROUP, 2);
     return 0;
 }
 #else
 static int q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, long N, float *y, long ldy,
-                   const float *bias, int accumulate) {
-    (void)x, (void)ldx, (void)w, (void)K, (void)bias, (void)accumulate;
+                   const float *bias, int accumulate, int bits) {
+    (void)x, (void)ldx, (void)w, (void)K, (void)bias, (void)accumulate, (void)bits;
     for (long r = 0; r < M; r++)
         for (long n = 0; n < N; n++) y[r * ldy + n] = NAN;
     return -1;  /* this build has no 4-bit matmul (dspark_q4_available says so) */
@@ -925,7 +943,12 @@ static int q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, l
 
 int dspark_q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, long N, float *y, long ldy,
                    const float *bias) {
-    return q4_gemm(x, M, ldx, w, K, N, y, ldy, bias, 0);
+    return q4_gemm(x, M, ldx, w, K, N, y, ldy, bias, 0, 4);
+}
+
+int dspark_q8_gemm(const float *x, long M, long ldx, const int8_t *w, long K, long N, float *y, long ldy,
+                   const float *bias) {
+    return q4_gemm(x, M, ldx, (const uint8_t *)w, K, N, y, ldy, bias, 0, 8);
 }
 
 /* ---- attention ------------------------------------------------------------------------------
@@ -1214,13 +1237,14 @@ typedef struct {
     const decoder_layer *layers;
     const float *final_norm;
     const uint16_t *lm_head;
-    long layer_format;  /* the layer matrices: 0 bf16 (the build's layout), 1 4-bit (q4_gemm); the LM head is bf16 */
+    long layer_format;  /* the layer matrices: 0 bf16 (the build's layout), 1 4-bit (q4_gemm) */
+    long head_format;   /* the LM head: 0 bf16, 2 8-bit (Q8_0 blocks, q4_gemm's 8-bit form) */
 } decoder_model;
 
 /* One of a layer's four matmuls, in the model's layer format. */
 static int layer_matmul(const decoder_model *m, const float *x, long M, long ldx, const uint16_t *w, long K, long N,
                         float *y, long ldy, const float *bias, int accumulate) {
-    if (m->layer_format == 1) return q4_gemm(x, M, ldx, (const uint8_t *)w, K, N, y, ldy, bias, accumulate);
+    if (m->layer_format == 1) return q4_gemm(x, M, ldx, (const uint8_t *)w, K, N, y, ldy, bias, accumulate, 4);
     gemm(x, M, ldx, w, K, N, y, ldy, bias, accumulate);
     return 0;
 }
@@ -1362,7 +1386,10 @@ int dspark_decoder_forward(const decoder_model *m, float *x, const decoder_call 
         norm_args final = {x, d, m->final_norm, d, m->eps, h, d, c->logit_rows};
         parallel_for(norm_range, &final, c->num_logits, ROWS_PER_THREAD);
         if (c->normed) memcpy(c->normed, h, (size_t)(c->num_logits * d) * sizeof(float));
-        gemm(h, c->num_logits, d, m->lm_head, d, m->vocab, c->logits, m->vocab, 0, 0);
+        if (m->head_format == 2)
+            status = q4_gemm(h, c->num_logits, d, (const uint8_t *)m->lm_head, d, m->vocab, c->logits, m->vocab, 0, 0, 8);
+        else
+            gemm(h, c->num_logits, d, m->lm_head, d, m->vocab, c->logits, m->vocab, 0, 0);
     }
     free(h); free(qkv); free(attn); free(gate_up); free(act);
     return status;

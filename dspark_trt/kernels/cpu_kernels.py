@@ -146,7 +146,7 @@ class _DecoderModel(ctypes.Structure):  # decoder_model
     _fields_ = [*((name, ctypes.c_long) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
                                                      "intermediate", "vocab")),
                 ("eps", ctypes.c_float), ("layers", ctypes.POINTER(_DecoderLayer)), ("final_norm", _pointer),
-                ("lm_head", _pointer), ("layer_format", ctypes.c_long)]
+                ("lm_head", _pointer), ("layer_format", ctypes.c_long), ("head_format", ctypes.c_long)]
 
 
 class _ContextModel(ctypes.Structure):  # context_model
@@ -180,6 +180,8 @@ def _open(compiler: str, isa: str) -> ctypes.CDLL:
     library.dspark_q4_available.restype = ctypes.c_int
     library.dspark_q4_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
     library.dspark_q4_gemm.restype = ctypes.c_int
+    library.dspark_q8_gemm.argtypes = [void, long_, long_, void, long_, long_, void, long_, void]
+    library.dspark_q8_gemm.restype = ctypes.c_int
     library.dspark_attention.argtypes = [void, long_, long_, long_, long_, long_, void, void, long_, long_,
                                          void, void, ctypes.c_float, void, long_]
     library.dspark_attention.restype = ctypes.c_int
@@ -389,23 +391,63 @@ class Q4Weight:
         return self.data.numel()
 
 
-def q4_matmul(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x [rows, in]` fp32 @ a 4-bit weight (+ bias) -> `[rows, out]` fp32, each row's input
-    quantized to int8 per block of 32 (cpu_kernels.c). Needs `q4_available()`."""
+class Q8Weight:
+    """A weight `[in, out]` in Q8_0 blocks, as the GGUF stores SmolLM2's embedding (its tied LM
+    head): 32 inputs per output column, w = d * q with q in -127..127 and d fp16 (ggml's
+    `quantize_row_q8_0`: d = max|w| / 127, q = round(w / d)). Like `Q4Weight`, weights that came
+    from such blocks get them back exactly. `data`: the int8 B tiles as `cpu_kernels.c` reads them
+    (the 4-bit section's 8-bit form), then d."""
+
+    def __init__(self, weight_t: torch.Tensor):
+        in_features, out_features = weight_t.shape
+        self.in_features, self.out_features = in_features, out_features
+        blocks, groups = -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
+        w = torch.zeros(blocks * Q4_BLOCK, groups * GROUP_COLUMNS)
+        w[:in_features, :out_features] = weight_t.detach().float()
+        w = w.view(blocks, Q4_BLOCK, groups * GROUP_COLUMNS)
+        step = w.abs().amax(1) / 127  # [blocks, columns]
+        inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
+        scaled = w * inverse[:, None]
+        q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)  # roundf: halves away from zero, as ggml
+        self.d, self.q = step.half(), q
+        tiles = q.view(blocks, 8, 4, groups, 4, 16).permute(3, 0, 4, 1, 5, 2).reshape(groups, blocks, 4, 8, 64)
+        scales = self.d.view(blocks, groups, GROUP_COLUMNS).transpose(0, 1).contiguous().view(torch.uint8).reshape(-1)
+        self.data = torch.cat([tiles.reshape(-1).view(torch.uint8), scales])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight `[in, out]` these blocks hold (d * q, in fp32)."""
+        w = self.d.float()[:, None] * self.q.float()
+        return w.reshape(-1, w.shape[-1])[: self.in_features, : self.out_features]
+
+    def num_bytes(self) -> int:
+        return self.data.numel()
+
+
+def _quantized_matmul(entry, x: torch.Tensor, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     if not q4_available():
         raise RuntimeError(q4_unavailable_reason())
     if weight.in_features % Q4_BLOCK:
-        raise ValueError(f"4-bit weights need in_features a multiple of {Q4_BLOCK}, got {weight.in_features}")
+        raise ValueError(f"4- and 8-bit weights need in_features a multiple of {Q4_BLOCK}, got {weight.in_features}")
     _require_fp32_contiguous(x=x)
     rows = x.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    if rows and _library.dspark_q4_gemm(x.data_ptr(), rows, x.stride(0), weight.data.data_ptr(), weight.in_features,
-                                        weight.out_features, out.data_ptr(), weight.out_features,
-                                        None if bias is None else bias.data_ptr()):
-        raise MemoryError("the 4-bit matmul could not allocate its int8 copy of the input")
+    if rows and entry(x.data_ptr(), rows, x.stride(0), weight.data.data_ptr(), weight.in_features,
+                      weight.out_features, out.data_ptr(), weight.out_features, None if bias is None else bias.data_ptr()):
+        raise MemoryError("the quantized matmul could not allocate its int8 copy of the input")
     return out
+
+
+def q4_matmul(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [rows, in]` fp32 @ a 4-bit weight (+ bias) -> `[rows, out]` fp32, each row's input
+    quantized to int8 per block of 32 (cpu_kernels.c). Needs `q4_available()`."""
+    return _quantized_matmul(_load().dspark_q4_gemm if q4_available() else None, x, weight, bias)
+
+
+def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`q4_matmul` for a Q8_0 weight (int8 x int8 on the same tiles). Needs `q4_available()`."""
+    return _quantized_matmul(_load().dspark_q8_gemm if q4_available() else None, x, weight, bias)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
@@ -537,7 +579,7 @@ class FusedDecoder:
     """
 
     def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights], final_norm: torch.Tensor,
-                 lm_head: PackedWeight):
+                 lm_head: "PackedWeight | Q8Weight"):
         self.shape = shape
         self._keep = []  # every tensor the structs point at
 
@@ -566,10 +608,15 @@ class FusedDecoder:
                 packed = getattr(layer, name)
                 self._keep.append(packed.data)
                 setattr(slot, name, packed.data.data_ptr())
+        if not isinstance(lm_head, (PackedWeight, Q8Weight)):
+            raise ValueError(f"the LM head must be a PackedWeight (bf16) or a Q8Weight, got {type(lm_head).__name__}")
+        head_format = 2 if isinstance(lm_head, Q8Weight) else 0
+        if head_format and not q4_available():
+            raise RuntimeError(q4_unavailable_reason())
         self._keep.append(lm_head.data)
         self._model = _DecoderModel(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                     shape.intermediate, shape.vocab, shape.eps, self._layers,
-                                    address(final_norm), lm_head.data.data_ptr(), layer_format)
+                                    address(final_norm), lm_head.data.data_ptr(), layer_format, head_format)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_trt.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from dspark_trt.models.linear import (DerivedFromWeights, FrozenLinear, in_row_by_row_mode, one_row_at_a_time,
-                                     use_bf16_weights)
+from dspark_trt.models.linear import DerivedFromWeights, FrozenLinear, in_row_by_row_mode, one_row_at_a_time
 from dspark_trt.models.target_config import TargetConfig
 from dspark_trt.models.kv_cache import KVCache, KVPool
 
@@ -243,6 +242,7 @@ class TargetModel(nn.Module):
         self._rope_sin = torch.empty(0)
         self._fused = DerivedFromWeights()  # cpu_kernels.FusedDecoder of these weights (`_fused_decoder`)
         self._int4: list[dict] | None = None  # per layer, its matrices' 4-bit copies (`use_int4_weights`)
+        self._int8_head = None  # the LM head's 8-bit copy (`use_int4_weights`)
 
     def new_pool(self, num_slots: int, slot_capacity: int) -> KVPool:
         """KV memory for `num_slots` concurrent requests of up to `slot_capacity` tokens each."""
@@ -309,7 +309,7 @@ class TargetModel(nn.Module):
         layers = [cpu_kernels.DecoderLayerWeights(
             attn_norm=layer.attn_norm, mlp_norm=layer.mlp_norm, **packed, qkv_bias=layer.qkv.bias,
             o_bias=layer.o.bias, q_norm=layer.q_norm, k_norm=layer.k_norm) for layer, packed in zip(self.layers, matrices)]
-        return cpu_kernels.FusedDecoder(shape, layers, self.final_norm, self.lm_head.packed())
+        return cpu_kernels.FusedDecoder(shape, layers, self.final_norm, self._int8_head or self.lm_head.packed())
 
     @torch.inference_mode()
     def layerwise_forward(self, token_ids: torch.Tensor, num_new_tokens: list[int], caches: list[KVCache],
@@ -397,9 +397,10 @@ class TargetModel(nn.Module):
 
     def use_int4_weights(self) -> None:
         """`--dtype int4`: the layers' matrices in 4 bits (`cpu_kernels.Q4Weight`: Q4_1 blocks, the
-        GGUF's own format), each matmul's input quantized to int8 per block of 32 in the kernel;
-        the LM head in bf16. The fp32 weights are replaced by what the 4-bit blocks hold, so the
-        PyTorch path computes with the same weights (not with int8 inputs: it is a reference).
+        GGUF's own format) and the LM head in 8 (`Q8Weight`: Q8_0, the GGUF's format for it), each
+        matmul's input quantized to int8 per block of 32 in the kernel. The fp32 weights are
+        replaced by what the blocks hold, so the PyTorch path computes with the same weights (not
+        with int8 inputs: it is a reference; the embedding table, read by token, stays as it is).
         Needs our kernels' AMX-INT8 build (RuntimeError saying why not)."""
         from dspark_trt.kernels import cpu_kernels
 
@@ -413,7 +414,8 @@ class TargetModel(nn.Module):
                 packed[name] = cpu_kernels.Q4Weight(linear.weight_t)
                 linear.weight_t.data = packed[name].dequantize().contiguous()
             self._int4.append(packed)
-        use_bf16_weights(self.lm_head)
+        self._int8_head = cpu_kernels.Q8Weight(self.lm_head.weight_t)
+        self.lm_head.weight_t.data = self._int8_head.dequantize().contiguous()
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -425,7 +427,9 @@ class TargetModel(nn.Module):
         """Bytes read per decode step (every weight once; the tied embedding table is not read)."""
         if self._int4 is not None:
             matrices = {id(getattr(layer, name).weight_t) for layer in self.layers for name in LAYER_MATRICES}
+            matrices.add(id(self.lm_head.weight_t))
             rest = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                        if n != "embed" and id(p) not in matrices)
-            return rest + sum(w.num_bytes() for packed in self._int4 for w in packed.values())
+            return (rest + self._int8_head.num_bytes()
+                    + sum(w.num_bytes() for packed in self._int4 for w in packed.values()))
         return sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n != "embed")
