@@ -1,5 +1,6 @@
 /* Our CPU kernels: y[M, N] (fp32) = x[M, K] (fp32) @ W (bf16, packed once) (+ bias) for any M,
- * and causal attention over the KV pool, both batch invariant by construction.
+ * and causal attention over the KV pool, both batch invariant by construction; in the AMX build
+ * also W in the GGUF's 4- and 8-bit blocks ("4-bit weights" below, `--dtype int4`).
  *
  * Why our own kernel: a decode or verification step multiplies 1-16 rows by every weight.
  * A BLAS (OpenBLAS fp32, oneDNN bf16) re-packs or re-reads the weights per call and picks a

@@ -1,6 +1,8 @@
 """Our CPU kernels (`cpu_kernels.c`): fp32 rows times bf16 weights packed once, attention, a
 whole decoder pass in one call (`FusedDecoder`), a DSpark drafter's context step (`FusedContext`),
-argmax, the logit of a distribution's top probability, and a seeded request's Gumbel-max token.
+argmax, the logit of a distribution's top probability, and a seeded request's Gumbel-max token;
+on AMX-INT8 CPUs also 4- and 8-bit weights in the GGUF's own blocks (`Q4Weight`, `Q8Weight`:
+`--dtype int4`), each matmul's input quantized to int8.
 
 What it owns: choosing the instruction set the kernels are built for (`isa()`: the best this CPU
 has, from /proc/cpuinfo), compiling the C kernels for it with the system's `gcc` (once per kernel
