@@ -372,7 +372,7 @@ def _cpu_kernels_entry(backend: str, runtime_dtype: str) -> dict | None:
         return None
     from dspark_trt.kernels import cpu_kernels
 
-    if runtime_dtype != "bfloat16" or not cpu_kernels.available():
+    if runtime_dtype not in ("bfloat16", "int4") or not cpu_kernels.available():
         return {"isa": None, "why_not": cpu_kernels.unavailable_reason() or f"the backend runs in {runtime_dtype}"}
     return {"isa": cpu_kernels.isa(), "supported": cpu_kernels.supported_isas()}
 

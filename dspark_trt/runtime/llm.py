@@ -68,8 +68,10 @@ class LLM:
         reproducibility.
         `dtype`: `float32`, `bfloat16` (bf16 weight matrices, fp32 activations, each matmul's input
         rounded to bf16 on AMX: faster on CPU and, where our CPU kernels run (AMX, AVX-512 or
-        AVX2+FMA), batch invariant by construction), or `auto` (bfloat16
-        where those kernels run, else float32; see `models/linear.py`). The drafter uses the same.
+        AVX2+FMA), batch invariant by construction), `int4` (the target's layer matrices in their
+        GGUF 4-bit blocks and its LM head in 8-bit ones, each matmul's input quantized to int8; CPUs
+        with AMX-INT8 only; the drafter in bf16), or `auto` (bfloat16 where those kernels run, else
+        float32; see `models/linear.py`). The drafter uses the same (bf16 under int4).
         With `engine_dir`, `auto` is the dtype the directory was built and profiled in.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
         sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
