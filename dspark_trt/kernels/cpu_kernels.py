@@ -356,6 +356,30 @@ def q4_unavailable_reason() -> str | None:
             f"{isa()} build")
 
 
+def _blocks(weight_t: torch.Tensor) -> torch.Tensor:
+    """`[in, out]` -> fp32 `[ceil(in / 32), 32, out rounded up to 64]`: blocks of 32 inputs per
+    column, zeros past the weight (whole column groups, whole blocks)."""
+    in_features, out_features = weight_t.shape
+    blocks, groups = -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
+    w = torch.zeros(blocks * Q4_BLOCK, groups * GROUP_COLUMNS)
+    w[:in_features, :out_features] = weight_t.detach().float()
+    return w.view(blocks, Q4_BLOCK, groups * GROUP_COLUMNS)
+
+
+def _b_tiles(q: torch.Tensor) -> torch.Tensor:
+    """Quantized blocks `[blocks, 32, G * 64]` -> AMX's int8 B tiles `[G, blocks, 4 tiles, 8 rows, 64]`:
+    byte b of row r of tile t is q[block, 4 r + b % 4, 64 g + 16 t + b // 4]."""
+    blocks, groups = q.shape[0], q.shape[2] // GROUP_COLUMNS
+    return q.view(blocks, 8, 4, groups, 4, 16).permute(3, 0, 4, 1, 5, 2).reshape(groups, blocks, 4, 8, 64)
+
+
+def _by_group(scales: torch.Tensor) -> torch.Tensor:
+    """Per-block fp16 scales `[blocks, G * 64]` -> their bytes in `[G, blocks, 64]` order."""
+    blocks, columns = scales.shape
+    grouped = scales.view(blocks, columns // GROUP_COLUMNS, GROUP_COLUMNS).transpose(0, 1).contiguous()
+    return grouped.view(torch.uint8).reshape(-1)
+
+
 class Q4Weight:
     """A weight `[in, out]` quantized to 4 bits the way the GGUF stores SmolLM2's decoder matrices:
     Q4_1 blocks of 32 inputs per output column, w = d * q + m with q in 0..15 and d, m in fp16
@@ -365,24 +389,17 @@ class Q4Weight:
     `data` is the layout `cpu_kernels.c` reads (its 4-bit section): nibbles, then d, then m."""
 
     def __init__(self, weight_t: torch.Tensor):
-        in_features, out_features = weight_t.shape
-        self.in_features, self.out_features = in_features, out_features
-        blocks, groups = -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
-        w = torch.zeros(blocks * Q4_BLOCK, groups * GROUP_COLUMNS)
-        w[:in_features, :out_features] = weight_t.detach().float()
-        w = w.view(blocks, Q4_BLOCK, groups * GROUP_COLUMNS)
+        self.in_features, self.out_features = weight_t.shape
+        w = _blocks(weight_t)  # [blocks, 32, columns]
         low, high = w.amin(1), w.amax(1)  # [blocks, columns]
         step = (high - low) / 15
         inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
         q = ((w - low[:, None]) * inverse[:, None] + 0.5).floor().clamp(0, 15).to(torch.uint8)  # as ggml (fp32)
         self.d, self.m = step.half(), low.half()  # [blocks, columns]
         self.q = q  # [blocks, 32, columns]
-        # B-tile bytes: [G, blocks, tile, row r, byte b] = q[block, 4 r + b % 4, 64 g + 16 tile + b // 4]
-        tiles = q.view(blocks, 8, 4, groups, 4, 16).permute(3, 0, 4, 1, 5, 2).reshape(groups, blocks, 4, 8, 64)
+        tiles = _b_tiles(q)
         nibbles = tiles[..., :32] | (tiles[..., 32:] << 4)
-        scales = [t.view(blocks, groups, GROUP_COLUMNS).transpose(0, 1).contiguous().view(torch.uint8).reshape(-1)
-                  for t in (self.d, self.m)]
-        self.data = torch.cat([nibbles.reshape(-1), *scales])
+        self.data = torch.cat([nibbles.reshape(-1), _by_group(self.d), _by_group(self.m)])
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight `[in, out]` these blocks hold (d * q + m, in fp32, as the GGUF reader)."""
@@ -401,20 +418,14 @@ class Q8Weight:
     (the 4-bit section's 8-bit form), then d."""
 
     def __init__(self, weight_t: torch.Tensor):
-        in_features, out_features = weight_t.shape
-        self.in_features, self.out_features = in_features, out_features
-        blocks, groups = -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
-        w = torch.zeros(blocks * Q4_BLOCK, groups * GROUP_COLUMNS)
-        w[:in_features, :out_features] = weight_t.detach().float()
-        w = w.view(blocks, Q4_BLOCK, groups * GROUP_COLUMNS)
+        self.in_features, self.out_features = weight_t.shape
+        w = _blocks(weight_t)  # [blocks, 32, columns]
         step = w.abs().amax(1) / 127  # [blocks, columns]
         inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
         scaled = w * inverse[:, None]
         q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)  # roundf: halves away from zero, as ggml
         self.d, self.q = step.half(), q
-        tiles = q.view(blocks, 8, 4, groups, 4, 16).permute(3, 0, 4, 1, 5, 2).reshape(groups, blocks, 4, 8, 64)
-        scales = self.d.view(blocks, groups, GROUP_COLUMNS).transpose(0, 1).contiguous().view(torch.uint8).reshape(-1)
-        self.data = torch.cat([tiles.reshape(-1).view(torch.uint8), scales])
+        self.data = torch.cat([_b_tiles(q).reshape(-1).view(torch.uint8), _by_group(self.d)])
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight `[in, out]` these blocks hold (d * q, in fp32)."""
