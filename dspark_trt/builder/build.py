@@ -297,12 +297,10 @@ def use_runtime_dtype(config: BuildConfig, target, drafter) -> str:
     dtype = resolve_dtype(config.dtype, "cpu")
     if dtype == torch.bfloat16:
         use_bf16_weights(target.model)
-    elif dtype == torch.int4:  # the layers' matrices in 4 bits (the drafter's C backbone too)
+    elif dtype == torch.int4:  # the layers' matrices in 4 bits; the drafter in bf16
         target.model.use_int4_weights()
-    if drafter is not None and dtype == torch.bfloat16:
+    if drafter is not None and dtype in (torch.bfloat16, torch.int4):
         drafter.use_bf16_weights()
-    elif drafter is not None and dtype == torch.int4:
-        drafter.use_int4_weights()
     return dtype_name(dtype)
 
 

@@ -311,7 +311,6 @@ class DrafterBase(nn.Module):
         self.embed: torch.Tensor | None = None  # [target_vocab, d]
         self.lm_head_t: torch.Tensor | None = None  # [d, draft_vocab]
         self.bf16_lm_head: PackedCache | None = None  # set by `use_bf16_weights`
-        self.int4_kernels = False  # set by `use_int4_weights`: the C backbone reads 4- and 8-bit blocks
 
     def use_bf16_weights(self) -> "DrafterBase":
         """Inference with bf16 weights and fp32 activations (`models/linear.py`), LM head included."""
@@ -321,16 +320,6 @@ class DrafterBase(nn.Module):
             # its bias rows (`MarkovRows` in the proposer) then come from our kernel too, not from
             # numpy's BLAS, whose threads would contend with the kernels' spinning ones
             self.sequential.bf16_w2 = PackedCache()
-        return self
-
-    def use_int4_weights(self) -> "DrafterBase":
-        """Beside an int4 target (`--dtype int4`): `use_bf16_weights`, and where our AMX-INT8
-        kernels run, the backbone's one C pass (`kernel_backbone`) reads its layers in 4-bit Q4_1
-        blocks and its LM head in 8-bit Q8_0 ones, quantized from the drafter's weights, with int8
-        inputs, as the target does: ~9 MB a draft instead of ~23. A drafter only proposes, so this
-        changes what it drafts, never what verification accepts (lossless either way)."""
-        self.use_bf16_weights()
-        self.int4_kernels = True
         return self
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -438,15 +427,12 @@ class DSparkDrafter(DrafterBase):
         c = self.config
         shape = cpu_kernels.DecoderShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                          c.intermediate_size, self.draft_vocab.numel(), c.rms_norm_eps)
-        quantized = self.int4_kernels and cpu_kernels.q4_available() and all(
-            size % cpu_kernels.Q4_BLOCK == 0 for size in (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim))
-        pack = cpu_kernels.Q4Weight if quantized else cpu_kernels.PackedWeight
         layers = [cpu_kernels.DecoderLayerWeights(
             attn_norm=layer.attn_norm.weight, mlp_norm=layer.mlp_norm.weight,
-            qkv=pack(torch.cat([layer.q.weight, layer.kv.weight]).t()), o=pack(layer.o.weight.t()),
-            gate_up=pack(layer.gate_up.weight.t()), down=pack(layer.down.weight.t())) for layer in self.layers]
-        head = (cpu_kernels.Q8Weight if quantized else cpu_kernels.PackedWeight)(self.lm_head_t)
-        return cpu_kernels.FusedDecoder(shape, layers, self.final_norm.weight, head)
+            qkv=cpu_kernels.PackedWeight(torch.cat([layer.q.weight, layer.kv.weight]).t()),
+            o=cpu_kernels.PackedWeight(layer.o.weight.t()), gate_up=cpu_kernels.PackedWeight(layer.gate_up.weight.t()),
+            down=cpu_kernels.PackedWeight(layer.down.weight.t())) for layer in self.layers]
+        return cpu_kernels.FusedDecoder(shape, layers, self.final_norm.weight, cpu_kernels.PackedWeight(self.lm_head_t))
 
     def _describe_context(self):
         from dspark_trt.kernels import cpu_kernels

@@ -71,8 +71,7 @@ class LLM:
         AVX2+FMA), batch invariant by construction), `int4` (the target's layer matrices in their
         GGUF 4-bit blocks and its LM head in 8-bit ones, each matmul's input quantized to int8; CPUs
         with AMX-INT8 only; the drafter in bf16), or `auto` (bfloat16 where those kernels run, else
-        float32; see `models/linear.py`). The drafter uses the same (under int4: bf16, its C
-        backbone in 4- and 8-bit blocks, `DrafterBase.use_int4_weights`).
+        float32; see `models/linear.py`). The drafter uses the same (bf16 under int4).
         With `engine_dir`, `auto` is the dtype the directory was built and profiled in.
         `device`: where the PyTorch target runs (`cpu`, `cuda`, `cuda:N`, `auto`). The drafter,
         sampling and verification stay on the CPU, as they do beside a TensorRT engine (which
@@ -122,9 +121,7 @@ class LLM:
             from dspark_trt.runtime.eagle_proposer import EagleProposer
 
             model = load_drafter(drafter, self.target)
-            if weight_dtype == torch.int4:  # bf16, its C backbone in 4 and 8 bits
-                model.use_int4_weights()
-            elif weight_dtype == torch.bfloat16:
+            if weight_dtype in (torch.bfloat16, torch.int4):  # an int4 target's drafter: bf16
                 model.use_bf16_weights()
             proposer = EagleProposer(model) if isinstance(model, EagleDrafter) else DSparkProposer(model)
             if built is not None and (drafter_graph if drafter_graph is not None else built.backend == "tensorrt"):
