@@ -2,6 +2,7 @@
 serving from the engine directory, atomic output, and every bad input's error."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -454,3 +455,38 @@ def test_reduced_precision_builds_export_the_graph_tensorrt_builds(tmp_path, pre
     assert 0 < check["module_vs_float32_runtime_max_abs"]["logits"] < 1.0  # what the precision costs, reported
     manifest = json.loads((output / "manifest.json").read_text())
     assert manifest["files"][f"target_{precision}_onnx"] == f"onnx/target.{precision}.onnx"
+
+
+# ---- dtype int4 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not cpu_kernels.q4_available(), reason=f"int4 kernel: {cpu_kernels.q4_unavailable_reason()}")
+def test_a_dtype_int4_build_is_served_in_int4(tmp_path):
+    """`dtype: int4` builds, profiles and names the int4 CPU engine, and the directory loads as it."""
+    output = tmp_path / "int4"
+    report = build(load_build_config("tiny", ["dtype=int4", "engines.build=never", "profile.quick=true"]), output,
+                   progress=lambda line: None)
+    assert report.manifest["dtype"] == "int4" and report.manifest["cpu_kernels"]["isa"] == "amx"
+    assert LatencyProfile.load(output / "profile.json").backend == "torch-cpu-int4"
+    llm = LLM(engine_dir=output)
+    assert llm.dtype == "int4" and llm.target.model.weight_dtype == torch.int4
+    assert len(llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_a_dtype_int4_build_is_refused_up_front_where_it_cannot_run(tmp_path):
+    """Without AMX-INT8 (here: the AVX2 build forced) the build stops before it exports anything,
+    with the reason, rather than after minutes of work or with other numerics."""
+    code = f"""
+import dspark_trt
+from dspark_trt.builder.build import BuildError, build
+from dspark_trt.config import load_build_config
+try:
+    build(load_build_config("tiny", ["dtype=int4"]), {str(tmp_path / "int4")!r}, progress=print)
+except BuildError as exc:
+    print("REFUSED", exc)
+"""
+    env = {**os.environ, "DSPARK_TRT_KERNEL_ISA": "avx2"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED dtype:" in result.stdout and "AMX-INT8" in result.stdout, result.stdout
+    assert "[2/6] export" not in result.stdout and not (tmp_path / "int4").exists()
