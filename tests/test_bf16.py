@@ -634,11 +634,14 @@ DRAFTS_PAY = LatencyProfile("test", "cpu", [1, 256], [1.0, 1.0], [1, 64], [1e-3,
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.int4, marks=pytest.mark.skipif(
+    not cpu_kernels.q4_available(), reason=f"int4 kernel: {cpu_kernels.q4_unavailable_reason()}"))])
 @pytest.mark.parametrize("options", [{}, {"prefix_layer": True, "shuffled_vocab": True}])
-def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama, options):
+def test_every_policy_equals_plain_decoding_under_random_load(tiny_llama, options, dtype):
     """Greedy speculative output equals plain decoding request by request, whatever arrives when,
-    in the default (fast) mode; with a prefix layer too (its linears on bf16 weights)."""
-    target = load_target(tiny_llama, torch.bfloat16)
+    in the default (fast) mode; with a prefix layer too (its linears on bf16 weights); on the bf16
+    engine and on the int4 one (`--dtype int4`: 4-bit layers, int8 inputs, the drafter in bf16)."""
+    target = load_target(tiny_llama, dtype)
     drafter = make_drafter(target, **options).use_bf16_weights()
     if drafter.prefix is not None:
         assert drafter.prefix.project.bf16_cache is not None and drafter.prefix.layer.q.bf16_cache is not None

@@ -3,28 +3,24 @@
 The weights are the GGUF's own blocks (checked on the embedded default's real weights); the kernel
 computes its stated arithmetic (checked against the same arithmetic in PyTorch) row by row, so a
 token's logits do not depend on what shares its step, and greedy speculation equals plain
-decoding. The kernel needs AMX-INT8 (Intel Xeon Sapphire Rapids or later): those tests skip
-elsewhere and say so; that int4 is refused elsewhere, with the reason, is tested everywhere.
+decoding (`test_bf16.py`'s random-load test, run on int4 too). The kernel needs AMX-INT8 (Intel
+Xeon Sapphire Rapids or later): those tests skip elsewhere and say so; that int4 is refused
+elsewhere, with the reason, is tested everywhere.
 """
 
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny_drafters import make_drafter
 
-from dspark_trt import LLM, SamplingParams
+from dspark_trt import LLM
 from dspark_trt.cli import main
 from dspark_trt.errors import InvalidRequestError
 from dspark_trt.kernels import cpu_kernels
 from dspark_trt.models.loading import load_target
-from dspark_trt.runtime.dspark_proposer import DSparkProposer
-from dspark_trt.runtime.engine import Engine
-from dspark_trt.runtime.profile import LatencyProfile
 
 needs_int4 = pytest.mark.skipif(not cpu_kernels.q4_available(),
                                 reason=f"int4 kernel: {cpu_kernels.q4_unavailable_reason()}")
@@ -133,36 +129,6 @@ def test_the_int4_target_runs_its_4bit_weights_in_one_c_pass(tiny_llama):
     assert (fused.features - layerwise.features).abs().max() < 0.1 * layerwise.features.abs().max()
     bf16 = load_target(tiny_llama, torch.bfloat16).model
     assert model.weight_bytes() < bf16.weight_bytes()
-
-
-DRAFTS_PAY = LatencyProfile("test", "cpu", [1, 256], [1.0, 1.0], [1, 64], [1e-3, 1e-3])
-
-
-@needs_int4
-def test_int4_speculation_equals_int4_plain_decoding_under_random_load(tiny_llama):
-    """Greedy speculative output equals plain decoding on the int4 engine, request by request,
-    whatever arrives when: the engine is batch invariant, as the bf16 one."""
-    target = load_target(tiny_llama, torch.int4)
-    drafter = make_drafter(target).use_bf16_weights()
-    rng = random.Random(5)
-    jobs = [([rng.randrange(1, 1000) for _ in range(rng.randrange(2, 60))],
-             SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for _ in range(6)]
-    plain = Engine(target, None, max_batch_size=6, max_model_len=128)
-    expected = [plain.add_request(*job) for job in jobs]
-    while plain.has_unfinished():
-        plain.step()
-    engine = Engine(target, DSparkProposer(drafter), max_batch_size=3, max_batch_tokens=40, max_model_len=128,
-                    policy="all", profile=DRAFTS_PAY)
-    order, requests, step = list(range(len(jobs))), {}, 0
-    while order or engine.has_unfinished():
-        if order and step % 2 == 0:
-            index = order.pop()
-            requests[index] = engine.add_request(*jobs[index])
-        engine.step()
-        step += 1
-    for index, request in requests.items():
-        assert request.output_token_ids == expected[index].output_token_ids, index
-    assert engine.counters.num_draft_tokens > 0
 
 
 @needs_int4
