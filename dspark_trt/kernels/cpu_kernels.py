@@ -339,11 +339,17 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
 Q4_BLOCK = 32  # inputs per Q4_1 block (cpu_kernels.c)
 
 
+_q4_available: bool | None = None  # decided once, like the build it depends on
+
+
 def q4_available() -> bool:
     """Whether the loaded build runs 4-bit weights (`--dtype int4`): the AMX build, on a CPU with
     AMX-INT8 (Intel Sapphire Rapids and later)."""
-    library = _load()  # the AMX build compiles it; the CPU must also have AMX's int8 tiles
-    return library is not None and library.dspark_q4_available() == 1 and "amx_int8" in _cpu_flags()
+    global _q4_available
+    if _q4_available is None:  # the AMX build compiles it; the CPU must also have AMX's int8 tiles
+        library = _load()
+        _q4_available = library is not None and library.dspark_q4_available() == 1 and "amx_int8" in _cpu_flags()
+    return _q4_available
 
 
 def q4_unavailable_reason() -> str | None:
@@ -436,7 +442,8 @@ class Q8Weight:
         return self.data.numel()
 
 
-def _quantized_matmul(entry, x: torch.Tensor, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _quantized_matmul(entry: str, x: torch.Tensor, weight: Q4Weight | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight (+ bias)` through the C entry point named `entry` (`dspark_q4_gemm` / `dspark_q8_gemm`)."""
     if not q4_available():
         raise RuntimeError(q4_unavailable_reason())
     if weight.in_features % Q4_BLOCK:
@@ -446,8 +453,9 @@ def _quantized_matmul(entry, x: torch.Tensor, weight: Q4Weight | Q8Weight, bias:
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    if rows and entry(x.data_ptr(), rows, x.stride(0), weight.data.data_ptr(), weight.in_features,
-                      weight.out_features, out.data_ptr(), weight.out_features, None if bias is None else bias.data_ptr()):
+    if rows and getattr(_library, entry)(x.data_ptr(), rows, x.stride(0), weight.data.data_ptr(), weight.in_features,
+                                         weight.out_features, out.data_ptr(), weight.out_features,
+                                         None if bias is None else bias.data_ptr()):
         raise MemoryError("the quantized matmul could not allocate its int8 copy of the input")
     return out
 
@@ -455,12 +463,12 @@ def _quantized_matmul(entry, x: torch.Tensor, weight: Q4Weight | Q8Weight, bias:
 def q4_matmul(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x [rows, in]` fp32 @ a 4-bit weight (+ bias) -> `[rows, out]` fp32, each row's input
     quantized to int8 per block of 32 (cpu_kernels.c). Needs `q4_available()`."""
-    return _quantized_matmul(_load().dspark_q4_gemm if q4_available() else None, x, weight, bias)
+    return _quantized_matmul("dspark_q4_gemm", x, weight, bias)
 
 
 def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`q4_matmul` for a Q8_0 weight (int8 x int8 on the same tiles). Needs `q4_available()`."""
-    return _quantized_matmul(_load().dspark_q8_gemm if q4_available() else None, x, weight, bias)
+    return _quantized_matmul("dspark_q8_gemm", x, weight, bias)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,

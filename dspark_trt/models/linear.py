@@ -93,8 +93,9 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     if name == "int4":  # the layers' matrices in 4 bits (`TargetModel.use_int4_weights`): our AMX-INT8 kernels only
         from dspark_trt.kernels import cpu_kernels
 
-        if torch.device(device).type != "cpu" or not cpu_kernels.q4_available():
-            why = "it runs on the CPU" if torch.device(device).type != "cpu" else cpu_kernels.q4_unavailable_reason()
+        on_cpu = torch.device(device).type == "cpu"
+        if not on_cpu or not cpu_kernels.q4_available():
+            why = cpu_kernels.q4_unavailable_reason() if on_cpu else "it runs on the CPU"
             raise ValueError(f"dtype int4 is not available here: {why}; use bfloat16 (or auto)")
         return torch.int4
     if name == "auto":
