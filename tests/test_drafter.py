@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark_trt import LLM, DsparkError, ModelLoadError, SamplingParams
+from dspark_trt.kernels import cpu_kernels
 from dspark_trt.models.drafter_config import DrafterConfig
 from dspark_trt.models.drafter_io import load_drafter, save_drafter
 from dspark_trt.models.loading import load_target
@@ -338,13 +339,13 @@ def test_markov_rows_equal_the_heads_bias_and_do_not_depend_on_the_batch(target)
     with torch.inference_mode():
         table = MarkovRows(drafter, warm_rows=4)
         assert table.known == {0, 1, 2, 3}
-        bias = table(ids)  # [6, 512]
+        bias = table.ensure(ids.tolist())[ids]  # [6, 512]
         head, _ = drafter.sequential_bias(torch.zeros(len(ids), drafter.config.hidden_size), ids)
         assert bias.shape == (6, 512)
         assert torch.allclose(bias, head, atol=1e-5)
         assert table.known == {0, 1, 2, 3, 300, 511, 512}
         other = MarkovRows(drafter, warm_rows=4)
-        assert torch.equal(other(torch.tensor([300])), bias[2:3])  # alone vs with 511 and 512
+        assert torch.equal(other.ensure([300])[300], bias[2])  # alone vs with 511 and 512
     assert not torch.equal(bias[2], bias[3])  # rows differ: the lookup is by token
 
 
@@ -416,6 +417,40 @@ def test_dspark_proposer_drafts_what_training_trains(target, dataset, head, opti
     assert torch.allclose(draft.confidences, torch.sigmoid(confidence[0, a]), atol=1e-5)
     if "copy_bias" in options:  # the bias was there to be matched: some slot of the block has a candidate
         assert (copy_candidates_of(drafter, batch, 3)[0, a] >= 0).any()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"our CPU kernels: {cpu_kernels.unavailable_reason()}")
+@pytest.mark.parametrize("head, options", [("markov", COPY), ("rnn", COPY), ("markov", PREFIX)])
+def test_the_slot_loop_in_c_drafts_what_its_pytorch_ops_draft(target, monkeypatch, head, options):
+    """Each slot's Markov row, copy bias, argmax and top probability as one C call
+    (`cpu_kernels.draft_slot`) against the PyTorch ops it replaces (our kernels turned off): the
+    same tokens and distributions bit for bit, greedy and sampling requests in one batch, and
+    confidences within fp32 rounding (the top probability's PyTorch definition rounds apart)."""
+    from dspark_trt.runtime.dspark_proposer import DSparkProposer
+    from dspark_trt.runtime.request import Request
+
+    drafter = make_drafter(target, head=head, **options).eval()
+    width = len(drafter.config.feature_layers) * target.config.hidden_size
+    features = [torch.randn(n, width, generator=torch.Generator().manual_seed(n)) for n in (12, 30, 7)]
+
+    def draft(kernels: bool):
+        monkeypatch.setattr(cpu_kernels, "available", lambda: kernels)
+        proposer, requests = DSparkProposer(drafter), []
+        for i, (f, temperature) in enumerate(zip(features, (0.0, 1.0, 0.0))):
+            prompt = [(7 * j + i) % 200 + 3 for j in range(len(f))]  # repeats: the copy bias finds candidates
+            request = Request(f"r{i}", prompt, SamplingParams(temperature=temperature), torch.Generator().manual_seed(i))
+            request.output_token_ids = [prompt[3]]
+            proposer.observe(request, f)
+            requests.append(request)
+        return proposer.propose(requests)
+
+    in_c, in_torch = draft(True), draft(False)
+    monkeypatch.undo()
+    for a, b in zip(in_c, in_torch):
+        assert a.tokens == b.tokens
+        assert (a.probs is None) == (b.probs is None) and (a.probs is None or torch.equal(a.probs, b.probs))
+        torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-5, atol=1e-5)
+    assert in_c[1].probs is not None and in_c[0].probs is None  # both kinds of request were drafted
 
 
 def test_eagle_proposer_matches_the_teacher_forced_unroll(target, dataset, tmp_path):

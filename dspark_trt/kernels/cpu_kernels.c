@@ -1447,20 +1447,45 @@ void dspark_argmax(const float *x, long rows, long n, long ld, long *out) {
  * subtracted, so a p_top within 1e-6 of 1 keeps its precision). One pass per row on the calling
  * thread (a block's 7-56 rows of 8k draft logits: PyTorch's exp alone took ~0.1 ms here). A row
  * holding NaN gives NaN, as the definition does. */
+static float row_top_probability_logit(const float *row, long n, long top_index, float cap) {
+    float top = row[top_index];
+    if (top != top) return top;
+    vf shift = vf_set1(top), total = vf_zero();
+    for (long i = 0; i < n; i += 16) {
+        vmask m = tail_mask(n - i);
+        if (top_index >= i && top_index < i + 16) m &= (vmask)~(1u << (top_index - i));
+        total = vf_add(total, vf_keep(m, vf_exp(vf_sub(vf_load_mask(row + i, m), shift))));
+    }
+    float logit = -logf(vf_reduce_add(total));
+    return logit < cap ? logit : cap;
+}
+
 void dspark_top_probability_logit(const float *x, long rows, long n, long ld, float cap, float *out) {
-    for (long r = 0; r < rows; r++) {
-        const float *row = x + r * ld;
-        long top_index = row_argmax(row, n);
-        float top = row[top_index];
-        if (top != top) { out[r] = top; continue; }
-        vf shift = vf_set1(top), total = vf_zero();
-        for (long i = 0; i < n; i += 16) {
-            vmask m = tail_mask(n - i);
-            if (top_index >= i && top_index < i + 16) m &= (vmask)~(1u << (top_index - i));
-            total = vf_add(total, vf_keep(m, vf_exp(vf_sub(vf_load_mask(row + i, m), shift))));
+    for (long r = 0; r < rows; r++) out[r] = row_top_probability_logit(x + r * ld, n, row_argmax(x + r * ld, n), cap);
+}
+
+/* ---- one slot of a block draft ---------------------------------------------------------------
+ * What the proposer does at draft slot k, for every request r of the block, in one call on the
+ * calling thread (a slot's few PyTorch ops cost ~10 us each warm, but several times that right
+ * after a target step has evicted the caches, which a draft always follows):
+ *     x[r] += table[previous[r]]                 (the Markov head's bias row; table NULL: none)
+ *     x[add_rows[i]][add_columns[i]] += add_weights[i], i = 0 .. num_adds-1, in order   (copy bias)
+ *     out[r] = argmax x[r]                       (first maximum, NaN as the maximum: row_argmax)
+ *     top_logit[r * top_stride] = logit of x[r]'s top probability, at most cap   (top_logit NULL: not read)
+ * The same fp32 adds in the same order as PyTorch's add_ and index adds, so the same bits. */
+void dspark_draft_slot(float *x, long rows, long n, long ld, const float *table, const long *previous,
+                       const long *add_rows, const long *add_columns, const float *add_weights, long num_adds,
+                       long *out, float *top_logit, long top_stride, float cap) {
+    if (table)
+        for (long r = 0; r < rows; r++) {
+            float *row = x + r * ld;
+            const float *bias = table + previous[r] * n;
+            for (long i = 0; i < n; i++) row[i] += bias[i];
         }
-        float logit = -logf(vf_reduce_add(total));
-        out[r] = logit < cap ? logit : cap;
+    for (long i = 0; i < num_adds; i++) x[add_rows[i] * ld + add_columns[i]] += add_weights[i];
+    for (long r = 0; r < rows; r++) {
+        out[r] = row_argmax(x + r * ld, n);
+        if (top_logit) top_logit[r * top_stride] = row_top_probability_logit(x + r * ld, n, out[r], cap);
     }
 }
 

@@ -196,6 +196,9 @@ def _open(compiler: str, isa: str) -> ctypes.CDLL:
     library.dspark_argmax.restype = None
     library.dspark_top_probability_logit.argtypes = [void, long_, long_, long_, ctypes.c_float, void]
     library.dspark_top_probability_logit.restype = None
+    library.dspark_draft_slot.argtypes = [void, long_, long_, long_, void, void, void, void, void, long_, void, void,
+                                          long_, ctypes.c_float]
+    library.dspark_draft_slot.restype = None
     library.dspark_gumbel_argmax.argtypes = [void, long_, long_, long_, void, void, void, void]
     library.dspark_gumbel_argmax.restype = ctypes.c_int
     library.dspark_gumbel_noise.argtypes = [ctypes.c_uint64, void, long_, void]
@@ -517,6 +520,33 @@ def top_probability_logit(x: torch.Tensor, cap: float) -> torch.Tensor:
         _library.dspark_top_probability_logit(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
                                               cap, out.data_ptr())
     return out.view(x.shape[:-1])
+
+
+def draft_slot(logits: torch.Tensor, table: torch.Tensor | None, previous: torch.Tensor,
+               adds: tuple[list[int], list[int], list[float]] | None, out: torch.Tensor,
+               top_logit: torch.Tensor | None = None, cap: float = 0.0) -> None:
+    """One slot of a block draft, in place (`dspark_draft_slot` in the C source): logits `[N, V]`
+    (fp32, CPU, rows contiguous) += `table[previous]` (`[R, V]` fp32 contiguous, previous `[N]`
+    int64; table None: no row bias), then the sparse `adds` (rows, columns, fp32-rounded weights,
+    applied in order; None: none); `out` `[N]` int64 gets each row's argmax (as `torch.argmax`)
+    and `top_logit` `[N]` (a strided fp32 view, or None) its `top_probability_logit` capped at
+    `cap`. The caller keeps every index in range. Needs `available()`."""
+    rows, n = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError("draft_slot: logits must be fp32 with contiguous rows")
+    if table is not None and (table.dtype != torch.float32 or not table.is_contiguous() or table.shape[1] != n):
+        raise ValueError(f"draft_slot: table must be contiguous fp32 [rows, {n}]")
+    add_count = len(adds[0]) if adds else 0
+    add_rows = add_columns = add_weights = None
+    if add_count:
+        add_rows = (ctypes.c_long * add_count)(*adds[0])
+        add_columns = (ctypes.c_long * add_count)(*adds[1])
+        add_weights = (ctypes.c_float * add_count)(*adds[2])
+    _library.dspark_draft_slot(logits.data_ptr(), rows, n, logits.stride(0),
+                               None if table is None else table.data_ptr(), previous.data_ptr(),
+                               add_rows, add_columns, add_weights, add_count, out.data_ptr(),
+                               None if top_logit is None else top_logit.data_ptr(),
+                               0 if top_logit is None else top_logit.stride(0), cap)
 
 
 def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None,

@@ -132,7 +132,7 @@ class CopyIndex:
 
 class BlockCopyBias:
     """The copy bias of one batched block draft (the proposer's loop over slots k):
-    `add_to(logits, k)` before slot k is drawn, `advance(tokens)` after."""
+    `add_to(logits, k)` (or `terms(k)`, to add elsewhere) before slot k is drawn, `advance(tokens)` after."""
 
     def __init__(self, alpha: list[list[float]], indexes: list[CopyIndex], to_draft: list[int], vocab_size: int):
         self.alpha, self.indexes, self.to_draft, self.vocab_size = alpha, indexes, to_draft, vocab_size
@@ -142,16 +142,7 @@ class BlockCopyBias:
 
     def add_to(self, logits: torch.Tensor, k: int) -> None:
         """logits `[N, V_d]` of slot k (0-based), in place."""
-        rows, columns, weights, found = [], [], [], []
-        for row, (index, tail, block) in enumerate(zip(self.indexes, self.tails, self.blocks)):
-            for n, token in enumerate(index.candidates(tail, block)):
-                column = self.to_draft[token] if token != NO_CANDIDATE else self.vocab_size
-                if column < self.vocab_size:
-                    rows.append(row)
-                    columns.append(column)
-                    weights.append(self.alpha[k][n])
-                found.append(column if column < self.vocab_size else NO_CANDIDATE)
-        self.found.append(found)
+        rows, columns, weights = self.terms(k)
         if not rows:
             return
         if logits.is_cpu and logits.dtype == torch.float32:
@@ -164,6 +155,21 @@ class BlockCopyBias:
         else:
             logits.index_put_((torch.tensor(rows), torch.tensor(columns)),
                               torch.tensor(weights, dtype=logits.dtype), accumulate=True)
+
+    def terms(self, k: int) -> tuple[list[int], list[int], list[float]]:
+        """Slot k's bias as (rows, columns, weights): add weights[i] to logits[rows[i], columns[i]], in
+        order (`add_to` does; the proposer's C slot call takes them as they are)."""
+        rows, columns, weights, found = [], [], [], []
+        for row, (index, tail, block) in enumerate(zip(self.indexes, self.tails, self.blocks)):
+            for n, token in enumerate(index.candidates(tail, block)):
+                column = self.to_draft[token] if token != NO_CANDIDATE else self.vocab_size
+                if column < self.vocab_size:
+                    rows.append(row)
+                    columns.append(column)
+                    weights.append(self.alpha[k][n])
+                found.append(column if column < self.vocab_size else NO_CANDIDATE)
+        self.found.append(found)
+        return rows, columns, weights
 
     def candidates(self) -> torch.Tensor:
         """`[N, slots drafted, max_ngram]`: what `batch_copy_candidates` gives teacher-forced on the drafted tokens."""

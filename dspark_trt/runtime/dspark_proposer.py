@@ -35,6 +35,7 @@ from dspark_trt.models.copy_bias import BlockCopyBias, CopyIndex
 from dspark_trt.models.drafter import TOP_PROBABILITY_LOGIT_CAP, DSparkDrafter, MarkovHead, top_probability_logit
 from dspark_trt.models.linear import one_row_at_a_time
 from dspark_trt.runtime.proposer import Draft, Proposer, draw_tokens, reads_draft_probs, to_target_vocab
+from dspark_trt.runtime.sampling import greedy_tokens
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.threads import torch_on_calling_thread
 
@@ -163,16 +164,17 @@ class MarkovRows:
         bias, _ = self.drafter.sequential_bias(None, previous_draft_ids)  # a Markov head ignores the hidden state
         return bias
 
-    def __call__(self, previous_draft_ids: torch.Tensor) -> torch.Tensor:
-        """previous_draft_ids `[N]` -> bias `[N, V_d]`. Call under no_grad/inference_mode (the proposer does)."""
-        missing = sorted(set(previous_draft_ids.tolist()) - self.known)
+    def ensure(self, previous_draft_ids: list[int]) -> torch.Tensor:
+        """The table `[V_d + 1, V_d]`, its rows for `previous_draft_ids` computed. Call under
+        no_grad/inference_mode (the proposer does)."""
+        missing = sorted(set(previous_draft_ids) - self.known)
         if missing:
             with one_row_at_a_time():
                 computed = self._compute(torch.tensor(missing))
             for index, row in zip(missing, computed):  # row copies: index_put into the table took ~0.5 ms each
                 self.rows[index].copy_(row)
             self.known.update(missing)
-        return self.rows.index_select(0, previous_draft_ids)  # 3x faster than rows[ids] here
+        return self.rows
 
 
 class DSparkProposer(Proposer):
@@ -190,14 +192,20 @@ class DSparkProposer(Proposer):
         self.copy_indexes: dict[str, CopyIndex] = {}  # request id -> its n-gram lookup (with a copy bias)
         # list lookups: the copy bias reads a few per request and slot (and only it)
         self.to_draft = drafter.to_draft.tolist() if config.copy_bias else []
+        self.draft_vocab_list = drafter.draft_vocab.tolist()  # draft id -> target id, read per slot
 
     def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """B_k `[N, V_d]` (or None without a head) and the RNN state; a Markov head's from its table."""
         if isinstance(self.drafter.sequential, MarkovHead):
-            if self.markov_rows is None:  # the head was attached after the proposer was built
-                self.markov_rows = MarkovRows(self.drafter)
-            return self.markov_rows(previous), None
+            table = self._markov_table(previous.tolist())
+            return table.index_select(0, previous), None  # 3x faster than table[previous] here
         return self.drafter.sequential_bias(hidden, previous, state)
+
+    def _markov_table(self, previous_draft_ids: list[int]) -> torch.Tensor:
+        """The Markov head's bias table `[V_d + 1, V_d]`, with the rows of `previous_draft_ids`."""
+        if self.markov_rows is None:  # the head was attached after the proposer was built
+            self.markov_rows = MarkovRows(self.drafter)
+        return self.markov_rows.ensure(previous_draft_ids)
 
     @staticmethod
     def _top_probability_logit(logits: torch.Tensor) -> torch.Tensor:
@@ -346,46 +354,67 @@ class DSparkProposer(Proposer):
     def _draw_blocks(self, requests: list[Request], slots: list[int], anchors: torch.Tensor, hidden: torch.Tensor,
                      backbone_logits: torch.Tensor) -> list[Draft]:
         """The sequential head over each block, left to right, then its confidences: hidden
-        `[N, gamma, d]` and backbone logits `[N, gamma, V_d]` of `requests` (in slot order) -> drafts."""
+        `[N, gamma, d]` and backbone logits `[N, gamma, V_d]` of `requests` (in slot order) -> drafts.
+
+        Where our kernels run, each slot's Markov row, copy bias, argmax and top probability are one
+        C call (`cpu_kernels.draft_slot`): a draft follows a target step, which leaves the caches
+        cold, and there each PyTorch op costs several times its warm ~10 us."""
         drafter, gamma = self.drafter, self.block_size
-        anchor_ids = drafter.to_draft[anchors]  # [N] draft-vocab ids of the anchors (x_0)
-        previous = anchor_ids  # [N] draft-vocab ids of x_{k-1}
+        num_requests = len(requests)
+        in_kernel = backbone_logits.is_cpu and backbone_logits.dtype == torch.float32 and cpu_kernels.available()
+        ids = torch.empty(gamma + 1, num_requests, dtype=torch.long)  # ids[k]: draft-vocab ids of x_k, x_0 the anchors
+        ids[0] = drafter.to_draft[anchors]
+        wants_top = drafter.confidence is not None and bool(drafter.config.confidence_top_prob)
+        top = torch.empty(num_requests, gamma) if in_kernel and wants_top else None  # [N, gamma], filled slot by slot
+        # The Markov head's rows go into the C call unless a prefix correction must come between them and the copy bias
+        table_in_kernel = (in_kernel and isinstance(drafter.sequential, MarkovHead) and drafter.prefix is None
+                           and drafter.sequential.w2.weight.dtype == torch.float32)
         if drafter.prefix is not None:  # block positions: each request's context length onwards
             lengths = torch.tensor([self.pool.lengths[s] for s in slots])
             cos_table, sin_table = drafter.rope_table(int(lengths.max()) + gamma)
         prefix_cache, previous_tokens = None, anchors  # the prefix layer's keys/values; target ids of x_{k-1}
         copy_bias = self._copy_bias(requests)
-        chosen, distributions, state = [], [], None
+        distributions, state = [], None
         for k in range(gamma):
-            bias, state = self._head_bias(hidden[:, k], previous, state)
-            logits = backbone_logits[:, k]  # [N, V_d]
-            if bias is not None:
-                logits.add_(bias)  # in place: U_k is not needed again
+            logits = backbone_logits[:, k]  # [N, V_d]; every bias is added in place: U_k is not needed again
+            table = None
+            if table_in_kernel:
+                table = self._markov_table(ids[k].tolist())
+            else:
+                bias, state = self._head_bias(hidden[:, k], ids[k], state)
+                if bias is not None:
+                    logits.add_(bias)
             if drafter.prefix is not None:  # U(h_k + correction) = U_k + U(correction): the LM head is linear
                 rows = lengths + k
                 correction, prefix_cache = drafter.prefix.step(
                     hidden[:, k], drafter.embed[previous_tokens], cos_table[rows][:, None, None],
                     sin_table[rows][:, None, None], prefix_cache)
                 logits.add_(drafter.lm_head_logits(correction))
-            if copy_bias is not None:
-                copy_bias.add_to(logits, k)
-            choice, probs = draw_tokens(logits, requests, k, drafter.draft_vocab)
-            chosen.append(choice)
+            if in_kernel:
+                terms = copy_bias.terms(k) if copy_bias is not None else None
+                cpu_kernels.draft_slot(logits, table, ids[k], terms, ids[k + 1], None if top is None else top[:, k],
+                                       TOP_PROBABILITY_LOGIT_CAP)
+            else:
+                if copy_bias is not None:
+                    copy_bias.add_to(logits, k)
+                ids[k + 1] = greedy_tokens(logits)
+            _, probs = draw_tokens(logits, requests, k, drafter.draft_vocab, choice=ids[k + 1])  # rows that sample
             distributions.append(probs)
-            previous, previous_tokens = choice, drafter.draft_vocab[choice]
+            if drafter.prefix is not None:
+                previous_tokens = drafter.draft_vocab[ids[k + 1]]
             if copy_bias is not None:
-                copy_bias.advance(previous_tokens.tolist())
-        draft_ids = torch.stack(chosen, 1)  # [N, gamma]
-        previous_ids = torch.cat([anchor_ids[:, None], draft_ids[:, :-1]], 1)
+                copy_bias.advance([self.draft_vocab_list[i] for i in ids[k + 1].tolist()])
+        previous_ids, draft_ids = ids[:-1].t(), ids[1:].t()  # [N, gamma]: x_{k-1} and x_k
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
         confidence = drafter.confidence_logits(hidden, previous_ids)
         if confidence is not None:  # what calibration learned the head cannot see (all known before x_k)
-            # backbone_logits now holds each slot's final logits (every bias was added in place), so
-            # p_k's top probability is read once for the whole block: one reduction, not gamma
-            top = self._top_probability_logit(backbone_logits) if drafter.config.confidence_top_prob else None
+            if wants_top and top is None:
+                # backbone_logits now holds each slot's final logits (every bias was added in place), so
+                # p_k's top probability is read once for the whole block: one reduction, not gamma
+                top = self._top_probability_logit(backbone_logits)
             confidence = drafter.confidence_offsets(confidence, top, copy_bias.candidates() if copy_bias else None)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
-        tokens = drafter.draft_vocab[draft_ids]  # [N, gamma] target ids
+        tokens = [[self.draft_vocab_list[i] for i in row] for row in draft_ids.tolist()]  # [N][gamma] target ids
         sampled = distributions[0] is not None  # any request samples: every position has distributions
         all_probs = torch.stack(distributions, 1) if sampled else None  # [N, gamma, V_d]
 
@@ -394,5 +423,5 @@ class DSparkProposer(Proposer):
             full_probs = None
             if reads_draft_probs(request):  # verification compares them with the target's vocabulary
                 full_probs = to_target_vocab(all_probs[i], drafter.draft_vocab, drafter.config.target_vocab_size)
-            drafts.append(Draft(tokens[i].tolist(), full_probs, None if calibrated is None else calibrated[i]))
+            drafts.append(Draft(tokens[i], full_probs, None if calibrated is None else calibrated[i]))
         return drafts

@@ -73,15 +73,16 @@ class CallableProposer(Proposer):
         return [self.fn(request) for request in requests]
 
 
-def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int,
-                draft_vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw_tokens(logits: torch.Tensor, requests: list[Request], offset: int, draft_vocab: torch.Tensor,
+                choice: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft position for each request, `offset` tokens past its committed ones: logits
     `[N, V_d]` -> chosen ids `[N]` and, when any request's verification reads them
     (`reads_draft_probs`), the distributions `[N, V_d]` they were drawn from (rows of the others
     are computed but unused). A seeded request draws with its own noise at that position
     (`sampling.PositionNoise`; `draft_vocab` `[V_d]` maps draft ids to the target's), all of
-    them in one kernel call."""
-    choice = greedy_tokens(logits)
+    them in one kernel call. `choice`, when given, already holds each row's argmax (it is
+    overwritten for the rows that sample, and returned)."""
+    choice = greedy_tokens(logits) if choice is None else choice
     sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
     if not sampled:
         return choice, None
