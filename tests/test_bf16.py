@@ -144,29 +144,32 @@ def test_top_probability_kernel_matches_the_definition():
 @needs_kernel
 def test_the_draft_slot_kernel_does_the_slots_pytorch_ops_bit_for_bit():
     """`draft_slot` adds the Markov rows and then the sparse copy-bias terms (in order, a repeated
-    cell twice) as PyTorch's fp32 adds do, then takes the argmax and top-probability logit of what
-    it made: bit-identical to the ops the proposer ran before, on strided slot views, with no
-    table or no terms, and with a NaN row."""
+    cell twice) to one slot of a block as PyTorch's fp32 adds do, then takes the argmax and
+    top-probability logit of what it made: bit-identical to the ops the proposer ran before, with
+    no table or no terms, and with a NaN row; other slots are left alone."""
     from dspark_trt.models.drafter import TOP_PROBABILITY_LOGIT_CAP
 
     generator = torch.Generator().manual_seed(4)
-    block = torch.randn(3, 7, 1000, generator=generator) * 4  # [N, gamma, V]: slot k is a strided view
+    block = torch.randn(3, 7, 1000, generator=generator) * 4  # [N, gamma, V]
     table = torch.randn(1001, 1000, generator=generator)
     previous = torch.tensor([5, 1000, 5])
     terms = ([0, 2, 0, 1], [17, 999, 17, 3], [2.5, 1.0, 0.1, 40.0])  # row 1's term makes it the argmax
     block[2, 4, 11] = float("nan")
     for k, use_table, use_terms in ((4, True, True), (0, False, True), (6, True, False)):
-        expected = block[:, k].clone()
+        expected, others = block[:, k].clone(), block[:, [j for j in range(7) if j != k]].clone()
         if use_table:
             expected.add_(table.index_select(0, previous))
         if use_terms:
             values = expected.numpy()
             for row, column, weight in zip(*terms):
                 values[row, column] += numpy.float32(weight)
-        got, top = block[:, k], torch.full((3, 7), -1.0)
-        chosen = torch.empty(3, dtype=torch.long)
-        cpu_kernels.draft_slot(got, table if use_table else None, previous, terms if use_terms else None, chosen,
-                               top[:, k], TOP_PROBABILITY_LOGIT_CAP)
+        top = torch.full((3, 7), -1.0)
+        ids = torch.full((8, 3), -1, dtype=torch.long)
+        ids[k] = previous
+        cpu_kernels.draft_slot(block, k, table if use_table else None, ids, terms if use_terms else None, top,
+                               TOP_PROBABILITY_LOGIT_CAP)
+        got, chosen = block[:, k], ids[k + 1]
+        assert (ids[[j for j in range(8) if j not in (k, k + 1)]] == -1).all()  # only slot k's row is written
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(chosen, expected.argmax(-1))
         if use_terms:
@@ -176,6 +179,7 @@ def test_the_draft_slot_kernel_does_the_slots_pytorch_ops_bit_for_bit():
         torch.testing.assert_close(top[:, k], cpu_kernels.top_probability_logit(expected, TOP_PROBABILITY_LOGIT_CAP),
                                    rtol=0, atol=0, equal_nan=True)
         assert (top[:, [j for j in range(7) if j != k]] == -1.0).all()  # only slot k's column is written
+        torch.testing.assert_close(block[:, [j for j in range(7) if j != k]], others, rtol=0, atol=0, equal_nan=True)
 
 
 @needs_kernel  # compares the fallback with the kernel path

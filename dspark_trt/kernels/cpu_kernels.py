@@ -522,31 +522,42 @@ def top_probability_logit(x: torch.Tensor, cap: float) -> torch.Tensor:
     return out.view(x.shape[:-1])
 
 
-def draft_slot(logits: torch.Tensor, table: torch.Tensor | None, previous: torch.Tensor,
-               adds: tuple[list[int], list[int], list[float]] | None, out: torch.Tensor,
-               top_logit: torch.Tensor | None = None, cap: float = 0.0) -> None:
-    """One slot of a block draft, in place (`dspark_draft_slot` in the C source): logits `[N, V]`
-    (fp32, CPU, rows contiguous) += `table[previous]` (`[R, V]` fp32 contiguous, previous `[N]`
-    int64; table None: no row bias), then the sparse `adds` (rows, columns, fp32-rounded weights,
-    applied in order; None: none); `out` `[N]` int64 gets each row's argmax (as `torch.argmax`)
-    and `top_logit` `[N]` (a strided fp32 view, or None) its `top_probability_logit` capped at
-    `cap`. The caller keeps every index in range. Needs `available()`."""
-    rows, n = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(1) != 1:
-        raise ValueError("draft_slot: logits must be fp32 with contiguous rows")
+def draft_slot(block: torch.Tensor, slot: int, table: torch.Tensor | None, ids: torch.Tensor,
+               adds: tuple[list[int], list[int], list[float]] | None, top_logit: torch.Tensor | None,
+               cap: float) -> None:
+    """Slot `slot` of a block draft, in place (`dspark_draft_slot` in the C source).
+
+    block: the logits `[N, gamma, V]` (fp32, contiguous); slot k's rows get `table[ids[k]]`
+    (`[R, V]` fp32 contiguous; None: no row bias), then the sparse `adds` (rows, columns,
+    fp32-rounded weights, applied in order; None: none). ids `[gamma + 1, N]` int64 contiguous:
+    row k holds x_{k-1} (row 0 the anchors) and row k + 1 gets each row's argmax (as
+    `torch.argmax`). top_logit `[N, gamma]` fp32 contiguous (or None): column k gets
+    `top_probability_logit` capped at `cap`. Pointers into the block, not per-slot views: a
+    view is a PyTorch op, and seven of each a block cost more than the call. The caller keeps
+    every index in range. Needs `available()`."""
+    rows, gamma, n = block.shape
+    if block.dtype != torch.float32 or not block.is_contiguous():
+        raise ValueError("draft_slot: the block's logits must be contiguous fp32")
+    if not 0 <= slot < gamma:
+        raise ValueError(f"draft_slot: slot must be in [0, {gamma}), got {slot}")
+    if ids.dtype != torch.long or not ids.is_contiguous() or tuple(ids.shape) != (gamma + 1, rows):
+        raise ValueError(f"draft_slot: ids must be contiguous int64 [{gamma + 1}, {rows}]")
     if table is not None and (table.dtype != torch.float32 or not table.is_contiguous() or table.shape[1] != n):
         raise ValueError(f"draft_slot: table must be contiguous fp32 [rows, {n}]")
+    if top_logit is not None and (top_logit.dtype != torch.float32 or not top_logit.is_contiguous()
+                                  or tuple(top_logit.shape) != (rows, gamma)):
+        raise ValueError(f"draft_slot: top_logit must be contiguous fp32 [{rows}, {gamma}]")
     add_count = len(adds[0]) if adds else 0
     add_rows = add_columns = add_weights = None
     if add_count:
         add_rows = (ctypes.c_long * add_count)(*adds[0])
         add_columns = (ctypes.c_long * add_count)(*adds[1])
         add_weights = (ctypes.c_float * add_count)(*adds[2])
-    _library.dspark_draft_slot(logits.data_ptr(), rows, n, logits.stride(0),
-                               None if table is None else table.data_ptr(), previous.data_ptr(),
-                               add_rows, add_columns, add_weights, add_count, out.data_ptr(),
-                               None if top_logit is None else top_logit.data_ptr(),
-                               0 if top_logit is None else top_logit.stride(0), cap)
+    ids_address = ids.data_ptr()
+    _library.dspark_draft_slot(block.data_ptr() + 4 * slot * n, rows, n, gamma * n,
+                               None if table is None else table.data_ptr(), ids_address + 8 * slot * rows,
+                               add_rows, add_columns, add_weights, add_count, ids_address + 8 * (slot + 1) * rows,
+                               None if top_logit is None else top_logit.data_ptr() + 4 * slot, gamma, cap)
 
 
 def gumbel_argmax(x: torch.Tensor, keys: list[int], ids: torch.Tensor | None = None,

@@ -190,9 +190,9 @@ class DSparkProposer(Proposer):
         self.queued: dict[str, list[torch.Tensor]] = {}  # request id -> features not yet in the pool
         self.markov_rows = MarkovRows(drafter) if isinstance(drafter.sequential, MarkovHead) else None
         self.copy_indexes: dict[str, CopyIndex] = {}  # request id -> its n-gram lookup (with a copy bias)
-        # list lookups: the copy bias reads a few per request and slot (and only it)
-        self.to_draft = drafter.to_draft.tolist() if config.copy_bias else []
-        self.draft_vocab_list = drafter.draft_vocab.tolist()  # draft id -> target id, read per slot
+        # list lookups, a few per request and slot: a PyTorch index costs more after a target step
+        self.to_draft = drafter.to_draft.tolist()  # target id -> draft id (the vocabulary's size outside it)
+        self.draft_vocab_list = drafter.draft_vocab.tolist()  # draft id -> target id
 
     def _head_bias(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """B_k `[N, V_d]` (or None without a head) and the RNN state; a Markov head's from its table."""
@@ -361,9 +361,11 @@ class DSparkProposer(Proposer):
         cold, and there each PyTorch op costs several times its warm ~10 us."""
         drafter, gamma = self.drafter, self.block_size
         num_requests = len(requests)
-        in_kernel = backbone_logits.is_cpu and backbone_logits.dtype == torch.float32 and cpu_kernels.available()
-        ids = torch.empty(gamma + 1, num_requests, dtype=torch.long)  # ids[k]: draft-vocab ids of x_k, x_0 the anchors
-        ids[0] = drafter.to_draft[anchors]
+        in_kernel = (backbone_logits.is_cpu and backbone_logits.dtype == torch.float32
+                     and backbone_logits.is_contiguous() and cpu_kernels.available())
+        ids = torch.empty(gamma + 1, num_requests, dtype=torch.long)  # ids[k]: draft-vocab ids of x_{k-1}, x_0 the anchors
+        id_rows = ids.numpy()  # the same memory: its rows read back as lists without a PyTorch op each
+        id_rows[0] = [self.to_draft[r.pending_token] for r in requests]
         wants_top = drafter.confidence is not None and bool(drafter.config.confidence_top_prob)
         top = torch.empty(num_requests, gamma) if in_kernel and wants_top else None  # [N, gamma], filled slot by slot
         # The Markov head's rows go into the C call unless a prefix correction must come between them and the copy bias
@@ -374,37 +376,37 @@ class DSparkProposer(Proposer):
             cos_table, sin_table = drafter.rope_table(int(lengths.max()) + gamma)
         prefix_cache, previous_tokens = None, anchors  # the prefix layer's keys/values; target ids of x_{k-1}
         copy_bias = self._copy_bias(requests)
+        samples = any(not r.params.greedy for r in requests)
         distributions, state = [], None
         for k in range(gamma):
-            logits = backbone_logits[:, k]  # [N, V_d]; every bias is added in place: U_k is not needed again
             table = None
             if table_in_kernel:
-                table = self._markov_table(ids[k].tolist())
+                table = self._markov_table(id_rows[k].tolist())
             else:
                 bias, state = self._head_bias(hidden[:, k], ids[k], state)
                 if bias is not None:
-                    logits.add_(bias)
+                    backbone_logits[:, k].add_(bias)  # in place: U_k is not needed again
             if drafter.prefix is not None:  # U(h_k + correction) = U_k + U(correction): the LM head is linear
                 rows = lengths + k
                 correction, prefix_cache = drafter.prefix.step(
                     hidden[:, k], drafter.embed[previous_tokens], cos_table[rows][:, None, None],
                     sin_table[rows][:, None, None], prefix_cache)
-                logits.add_(drafter.lm_head_logits(correction))
+                backbone_logits[:, k].add_(drafter.lm_head_logits(correction))
             if in_kernel:
                 terms = copy_bias.terms(k) if copy_bias is not None else None
-                cpu_kernels.draft_slot(logits, table, ids[k], terms, ids[k + 1], None if top is None else top[:, k],
-                                       TOP_PROBABILITY_LOGIT_CAP)
+                cpu_kernels.draft_slot(backbone_logits, k, table, ids, terms, top, TOP_PROBABILITY_LOGIT_CAP)
             else:
                 if copy_bias is not None:
-                    copy_bias.add_to(logits, k)
-                ids[k + 1] = greedy_tokens(logits)
-            _, probs = draw_tokens(logits, requests, k, drafter.draft_vocab, choice=ids[k + 1])  # rows that sample
-            distributions.append(probs)
+                    copy_bias.add_to(backbone_logits[:, k], k)
+                ids[k + 1] = greedy_tokens(backbone_logits[:, k])
+            if samples:  # the rows that sample overwrite their argmax (a greedy block needs no distributions)
+                _, probs = draw_tokens(backbone_logits[:, k], requests, k, drafter.draft_vocab, choice=ids[k + 1])
+                distributions.append(probs)
             if drafter.prefix is not None:
                 previous_tokens = drafter.draft_vocab[ids[k + 1]]
             if copy_bias is not None:
-                copy_bias.advance([self.draft_vocab_list[i] for i in ids[k + 1].tolist()])
-        previous_ids, draft_ids = ids[:-1].t(), ids[1:].t()  # [N, gamma]: x_{k-1} and x_k
+                copy_bias.advance([self.draft_vocab_list[i] for i in id_rows[k + 1].tolist()])
+        previous_ids = ids[:-1].t()  # [N, gamma]: x_{k-1}
         # Confidences need only h_k and x_{k-1}: one batched call once the blocks are drafted.
         confidence = drafter.confidence_logits(hidden, previous_ids)
         if confidence is not None:  # what calibration learned the head cannot see (all known before x_k)
@@ -414,8 +416,8 @@ class DSparkProposer(Proposer):
                 top = self._top_probability_logit(backbone_logits)
             confidence = drafter.confidence_offsets(confidence, top, copy_bias.candidates() if copy_bias else None)
         calibrated = drafter.calibrated_confidence(confidence) if confidence is not None else None
-        tokens = [[self.draft_vocab_list[i] for i in row] for row in draft_ids.tolist()]  # [N][gamma] target ids
-        sampled = distributions[0] is not None  # any request samples: every position has distributions
+        tokens = [[self.draft_vocab_list[i] for i in row] for row in id_rows[1:].T.tolist()]  # [N][gamma] target ids
+        sampled = samples and distributions[0] is not None  # a request reads distributions: every slot has them
         all_probs = torch.stack(distributions, 1) if sampled else None  # [N, gamma, V_d]
 
         drafts = []
