@@ -97,7 +97,10 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=300, help="timed (step, draft, draft) triples per count")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/draft_cost.json"))
     args = parser.parse_args()
-    counts = [int(c) for c in args.requests.split(",") if c.strip()]
+    try:
+        counts = [int(c) for c in args.requests.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--requests must be comma-separated integers, got {args.requests!r}")
     if not counts or min(counts) < 1 or args.context < 16 or args.samples < 1:
         parser.error("--requests must list positive counts, --context be >= 16 and --samples >= 1")
 

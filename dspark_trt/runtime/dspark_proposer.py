@@ -19,7 +19,9 @@ requests' blocks are drafted in one batched backbone pass:
 
 With bf16 weights on a CPU where our kernels run, the catch-up and the backbone (with its LM
 head) are one C call each (`_kernel_context`, `_kernel_backbone`), tested against the PyTorch
-modules they replace (`_torch_context`, `_torch_backbone`).
+modules they replace (`_torch_context`, `_torch_backbone`). Wherever our kernels run, each slot's
+Markov row, copy bias, argmax and top probability are one C call too (`cpu_kernels.draft_slot`),
+bit-identical to the PyTorch ops it replaces (tested).
 
 `observe` only queues features (cheap), so a step whose policy skips drafting costs the
 drafter nothing; the queue is consumed before the request's next draft. The draft
