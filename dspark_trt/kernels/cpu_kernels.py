@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_trt.kernels import huge_pages
 from dspark_trt.kernels.build_cache import CompileError, built
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -291,10 +292,11 @@ class PackedWeight:
         padded = torch.zeros(rows, groups * GROUP_COLUMNS, dtype=torch.bfloat16)
         padded[:in_features, :out_features] = weight_t.detach().to(torch.bfloat16)
         if self.layout == "pairs":  # [in', G * 64] -> [G, in' / 2, 64, 2]
-            self.data = padded.view(rows // 2, 2, groups, GROUP_COLUMNS).permute(2, 0, 3, 1).contiguous()
+            packed = padded.view(rows // 2, 2, groups, GROUP_COLUMNS).permute(2, 0, 3, 1)
         else:
             blocks = padded.view(in_features, groups, GROUP_COLUMNS // 32, 32)[..., WIDEN_ORDER]
-            self.data = blocks.reshape(in_features, groups, GROUP_COLUMNS).transpose(0, 1).contiguous()
+            packed = blocks.reshape(in_features, groups, GROUP_COLUMNS).transpose(0, 1)
+        self.data = huge_pages.place(packed)  # streamed once a step: in 2 MB pages, ~500x fewer page walks
 
     def unpack(self) -> torch.Tensor:
         """The bf16 weight `[in, out]` this holds (for readers that need it dense)."""
@@ -408,7 +410,7 @@ class Q4Weight:
         self.q = q  # [blocks, 32, columns]
         tiles = _b_tiles(q)
         nibbles = tiles[..., :32] | (tiles[..., 32:] << 4)
-        self.data = torch.cat([nibbles.reshape(-1), _by_group(self.d), _by_group(self.m)])
+        self.data = huge_pages.place(torch.cat([nibbles.reshape(-1), _by_group(self.d), _by_group(self.m)]))
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight `[in, out]` these blocks hold (d * q + m, in fp32, as the GGUF reader)."""
@@ -434,7 +436,7 @@ class Q8Weight:
         scaled = w * inverse[:, None]
         q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)  # roundf: halves away from zero, as ggml
         self.d, self.q = step.half(), q
-        self.data = torch.cat([_b_tiles(q).reshape(-1).view(torch.uint8), _by_group(self.d)])
+        self.data = huge_pages.place(torch.cat([_b_tiles(q).reshape(-1).view(torch.uint8), _by_group(self.d)]))
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight `[in, out]` these blocks hold (d * q, in fp32)."""
