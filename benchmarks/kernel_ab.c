@@ -2,6 +2,7 @@
  * SmolLM2-135M's matrices, to A/B two builds of the C source without Python in the way.
  *
  *     gcc -O3 -mavx2 -mfma -pthread -shared -fPIC dspark_trt/kernels/cpu_kernels.c -lm -o new.so
+ *     (the AMX build: -mavx512f -mavx512bw -mavx512bf16 -mamx-tile -mamx-bf16 -mamx-int8 instead)
  *     git show REV:dspark_trt/kernels/cpu_kernels.c > /tmp/old.c && gcc ... /tmp/old.c -lm -o old.so
  *     gcc -O2 benchmarks/kernel_ab.c -o kernel_ab -ldl
  *     ./kernel_ab ./old.so 2 1 2 4 6 8 16; ./kernel_ab ./new.so 2 1 2 4 6 8 16   # alternate, repeat
@@ -22,6 +23,8 @@ typedef void (*gemm_fn)(const float *, long, long, const uint16_t *, long, long,
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 int main(int argc, char **argv){
   void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL); if(!h){printf("%s\n", dlerror()); return 1;}
+  int (*init)(void) = (int (*)(void))dlsym(h, "dspark_kernel_init");  /* the AMX build asks Linux for the tile state */
+  if (init && init() != 0) { printf("this build cannot start here (no AMX tile state)\n"); return 1; }
   start_fn start=(start_fn)dlsym(h,"dspark_start_threads"); gemm_fn gemm=(gemm_fn)dlsym(h,"dspark_bf16_gemm");
   start(atoi(argv[2]));
   long shapes[121][2]; int n=0;
