@@ -52,6 +52,14 @@ def cpu_summary() -> dict:
     return {"name": name, "cores": os.cpu_count(), "isa": [f for f in wanted if f in flags]}
 
 
+def write_json(path: Path, data: dict) -> None:
+    """`data` as indented JSON at `path`, atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(data, indent=2) + "\n")
+    temporary.replace(path)
+
+
 def time_steps(step, tokens: list[int], repeats: int) -> dict[str, float]:
     """Median ms of `step(T)` for each T. Each repeat goes over every T in turn (after one warm-up
     call each), so drift on a shared machine moves all of them alike and their ratios hold."""
@@ -231,7 +239,7 @@ def main() -> int:
               "context_tokens": args.context, "repeats": args.repeats, "read_bandwidth_gb_s": bandwidth,
               "weight_read_floor_ms": floors, "step_ms": {n: r["ms"] for n, r in results.items()}, "summary": summary}
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     plot(report, args.output.with_suffix(".png"))
     for name, entry in summary.items():
         ratios = entry["ratio_to_one_token"]

@@ -23,12 +23,11 @@ head meets a previous token for the first time) are not a real decode's. Writes 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from cpu_engines import cpu_summary
+from cpu_engines import cpu_summary, write_json
 
 
 def measure(llm, num_requests: int, context: int, samples: int) -> dict:
@@ -115,10 +114,7 @@ def main() -> int:
               f"back to back {row['draft_back_to_back_ms']:.2f} ms ({row['back_to_back_ratio']:.3f}x)")
     result = {"cpu": cpu_summary(), "kernel_isa": cpu_kernels.isa(), "dtype": args.dtype, "context": args.context,
               "samples": args.samples, "rows": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = args.output.with_suffix(".tmp")
-    temporary.write_text(json.dumps(result, indent=2) + "\n")
-    temporary.replace(args.output)
+    write_json(args.output, result)
     print(f"wrote {args.output}")
     return 0
 

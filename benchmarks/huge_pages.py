@@ -14,13 +14,12 @@ Linux backed with huge pages (`AnonHugePages`). Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from cpu_engines import cpu_summary
+from cpu_engines import cpu_summary, write_json
 
 ORDER = (("4k", "off"), ("huge", "on"))  # (copy, DSPARK_TRT_HUGE_PAGES while its weights are packed)
 
@@ -92,10 +91,7 @@ def main() -> int:
                   f"{rows[-1]['huge_pages_ms']:.2f} ms, per-pair ratio {rows[-1]['paired_ratio_median']:.3f}")
     result = {"cpu": cpu_summary(), "kernel_isa": cpu_kernels.isa(), "dtype": args.dtype, "context": args.context,
               "steps": args.steps, "anon_huge_pages_mb": anon_huge_mb(), "rows": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = args.output.with_suffix(".tmp")
-    temporary.write_text(json.dumps(result, indent=2) + "\n")
-    temporary.replace(args.output)
+    write_json(args.output, result)
     print(f"wrote {args.output}")
     return 0
 
