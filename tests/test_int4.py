@@ -96,6 +96,8 @@ def test_the_int4_kernel_computes_its_stated_arithmetic(in_features, out_feature
 
 @needs_int4
 def test_int4_rows_do_not_depend_on_the_other_rows():
+    """A row's bits are the same alone, in two (calls of up to two rows take the 4-bit matmul through
+    AVX-512 VNNI rather than AMX tiles) and among many."""
     generator = torch.Generator().manual_seed(1)
     weight = cpu_kernels.Q4Weight(torch.randn(256, 64 * 40, generator=generator) * 0.05)  # 40 groups: both threads
     x = torch.randn(37, 256, generator=generator) * torch.rand(37, 1, generator=generator) * 10
@@ -104,6 +106,7 @@ def test_int4_rows_do_not_depend_on_the_other_rows():
         alone = torch.cat([matmul(row[None], packed) for row in x])
         assert torch.equal(matmul(x, packed), alone)
         assert torch.equal(matmul(x[5:11], packed), alone[5:11])
+        assert torch.equal(matmul(x[3:5], packed), alone[3:5])  # two rows: the 4-bit VNNI path, as one row is
 
 
 @needs_int4

@@ -876,6 +876,66 @@ static void q4_groups(const void *ctx, long first, long last) {
     _tile_release();
 }
 
+/* q4_groups for a call of at most Q4_VNNI_ROWS rows, 4-bit weights: AVX-512 VNNI instead of AMX.
+ * At one row a tile op computes 1 of its 16 rows, and each 32-input block pays four tile stores
+ * and loads besides; VPDPBUSD takes the same B-tile rows (each 32-bit lane: a column's 4 inputs,
+ * exactly VPDPBUSD's operand layout) and keeps the sums in registers. The int32 sums are exact in
+ * both, and the fp32 epilogue below is q4_groups' to the operation: the same bits as the AMX path
+ * (tested), so which path runs never shows in the results. Every AMX-INT8 CPU has AVX-512 VNNI. */
+#define Q4_VNNI_ROWS 2
+
+__attribute__((target("avx512vnni")))
+static void q4_groups_vnni(const void *ctx, long first, long last) {
+    const q4_args *a = (const q4_args *)ctx;
+    long K = a->K, blocks = K / Q4_BLOCK, groups = (a->N + GROUP - 1) / GROUP;
+    const uint8_t *nibbles = a->w;
+    const uint16_t *d_all = (const uint16_t *)(a->w + groups * blocks * 1024), *m_all = d_all + groups * blocks * GROUP;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (long g = first; g < last; g++) {
+        vmask mask[4];
+        for (int p = 0; p < 4; p++) mask[p] = tail_mask(a->N - g * GROUP - 16 * p);
+        vf out[Q4_VNNI_ROWS][4];
+        for (long r = 0; r < a->M; r++)
+            for (int p = 0; p < 4; p++) out[r][p] = vf_zero();
+        for (long kb = 0; kb < blocks; kb++) {
+            const uint8_t *packed = nibbles + (g * blocks + kb) * 1024;
+            __m512i dots[Q4_VNNI_ROWS][4];
+            for (long r = 0; r < a->M; r++)
+                for (int t = 0; t < 4; t++) dots[r][t] = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++)
+                for (int row = 0; row < 8; row++) {  /* a B-tile row: 16 columns x 4 inputs */
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(packed + (t * 8 + row) * 32));
+                    __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                                   _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+                    for (long r = 0; r < a->M; r++) {
+                        int32_t four;  /* inputs 4 row .. 4 row + 3 of this block, as one lane */
+                        memcpy(&four, a->a + r * K + kb * Q4_BLOCK + 4 * row, 4);
+                        dots[r][t] = _mm512_dpbusd_epi32(dots[r][t], b, _mm512_set1_epi32(four));
+                    }
+                }
+            const uint16_t *dp = d_all + (g * blocks + kb) * GROUP, *mp = m_all + (g * blocks + kb) * GROUP;
+            for (int p = 0; p < 4; p++) {  /* q4_groups' epilogue, operation for operation */
+                vf d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * p)));
+                vf m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * p)));
+                for (long r = 0; r < a->M; r++) {
+                    long at = r * blocks + kb;
+                    vf o = vf_fmadd(vf_mul(d, vf_set1(a->scale[at])), _mm512_cvtepi32_ps(dots[r][p]), out[r][p]);
+                    out[r][p] = vf_fmadd(m, vf_set1(a->scaled_sum[at]), o);
+                }
+            }
+        }
+        for (int p = 0; p < 4 && mask[p]; p++) {  /* the bf16 build's epilogue: (out + bias), then + y */
+            vf bias = a->bias ? vf_load_mask(a->bias + g * GROUP + 16 * p, mask[p]) : vf_zero();
+            for (long r = 0; r < a->M; r++) {
+                float *yr = a->y + r * a->ldy + g * GROUP + 16 * p;
+                vf o = vf_add(out[r][p], bias);
+                if (a->accumulate) o = vf_add(vf_load_mask(yr, mask[p]), o);
+                vf_store_mask(yr, mask[p], o);
+            }
+        }
+    }
+}
+
 /* The calling thread's int8 copy of the activations and their scales (grown as needed, kept). */
 static _Thread_local int8_t *q4_input;
 static _Thread_local float *q4_scales;
@@ -929,7 +989,7 @@ static int q4_gemm(const float *x, long M, long ldx, const uint8_t *w, long K, l
     }
     q4_args args = {q4_input, q4_scales, q4_scales + Mp * (K / Q4_BLOCK), M, rows, K, N, w, y, ldy, bias, accumulate,
                     bits};
-    parallel_for(q4_groups, &args, (N + GROUP - 1) / GROUP, 2);
+    parallel_for(bits == 4 && M <= Q4_VNNI_ROWS ? q4_groups_vnni : q4_groups, &args, (N + GROUP - 1) / GROUP, 2);
     return 0;
 }
 #else
