@@ -369,6 +369,15 @@ int dspark_weight_layout(void) { return 0; }
 
 /* ---- the matmul --------------------------------------------------------------------------- */
 
+/* A matmul's output panel: y = sum + bias, or y += sum + bias with `accumulate` (the residual add
+ * in the same pass), masked to the panel's columns. Every build's matmul ends here, so their
+ * epilogues are one order of fp32 adds. */
+static inline void store_output(float *y, vmask mask, vf sum, vf bias, int accumulate) {
+    vf out = vf_add(sum, bias);
+    if (accumulate) out = vf_add(vf_load_mask(y, mask), out);
+    vf_store_mask(y, mask, out);
+}
+
 #ifndef AMX  /* the FMA builds' matmul */
 
 /* A register tile: R rows x P panels (16 columns each; P = 1, 2 or 4) of one group: from the
@@ -406,12 +415,8 @@ int dspark_weight_layout(void) { return 0; }
             TILE_K_LOOP(R, P, 0)                                                                    \
         for (int p = 0; p < P; p++) {                                                               \
             vf b = bias ? vf_load_mask(bias + 16 * p, mask[p]) : vf_zero();                         \
-            for (int r = 0; r < R; r++) {                                                           \
-                vf out = vf_add(acc[p][r], b);                                                      \
-                if (accumulate) /* y += x @ W + b: the residual add in the same pass */             \
-                    out = vf_add(vf_load_mask(y + r * ldy + 16 * p, mask[p]), out);                 \
-                vf_store_mask(y + r * ldy + 16 * p, mask[p], out);                                  \
-            }                                                                                       \
+            for (int r = 0; r < R; r++)                                                             \
+                store_output(y + r * ldy + 16 * p, mask[p], acc[p][r], b, accumulate);              \
         }                                                                                           \
     }
 
@@ -535,12 +540,9 @@ static void amx_groups(const void *ctx, long first, long last) {
             long rows = a->M - r0 < a->rows ? a->M - r0 : a->rows;
             for (int p = 0; p < 4 && mask[p]; p++) {
                 vf b = bias ? vf_load_mask(bias + 16 * p, mask[p]) : vf_zero();
-                for (long r = 0; r < rows; r++) {
-                    float *yr = a->y + (r0 + r) * ldy + g * GROUP + 16 * p;
-                    vf out = vf_add(vf_load(c + r * GROUP + 16 * p), b);
-                    if (a->accumulate) out = vf_add(vf_load_mask(yr, mask[p]), out);
-                    vf_store_mask(yr, mask[p], out);
-                }
+                for (long r = 0; r < rows; r++)
+                    store_output(a->y + (r0 + r) * ldy + g * GROUP + 16 * p, mask[p], vf_load(c + r * GROUP + 16 * p),
+                                 b, a->accumulate);
             }
         }
     }
@@ -794,6 +796,14 @@ static void q4_configure(int rows) {
     _tile_loadconfig(&config);
 }
 
+/* One 32-input block's share of a 4-bit matmul output panel: out + (d * s) * dot [+ m * (s * sum a)]
+ * (the m term for Q4_1 only), in this order: the AMX and the VNNI paths both add blocks here, so
+ * they give the same bits. */
+static inline vf q4_block_add(vf out, vf d, vf m, float scale, float scaled_sum, vf dot, int bits) {
+    out = vf_fmadd(vf_mul(d, vf_set1(scale)), dot, out);
+    return bits == 4 ? vf_fmadd(m, vf_set1(scaled_sum), out) : out;
+}
+
 static void q4_groups(const void *ctx, long first, long last) {
     const q4_args *a = (const q4_args *)ctx;
     long K = a->K, blocks = K / Q4_BLOCK, groups = (a->N + GROUP - 1) / GROUP;
@@ -852,24 +862,19 @@ static void q4_groups(const void *ctx, long first, long last) {
                 for (int p = 0; p < 4; p++) {
                     vf d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * p)));
                     vf m = a->bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * p))) : vf_zero();
-                    for (long r = 0; r < rows; r++) {  /* out += (d * s) * dot [+ m * (s * sum a)] */
+                    for (long r = 0; r < rows; r++) {
                         long row = (r0 + r) * blocks + kb;
                         vf dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(dots + r * GROUP + 16 * p)));
-                        vf o = vf_load(out + r * GROUP + 16 * p);
-                        o = vf_fmadd(vf_mul(d, vf_set1(a->scale[row])), dot, o);
-                        if (a->bits == 4) o = vf_fmadd(m, vf_set1(a->scaled_sum[row]), o);
-                        vf_store(out + r * GROUP + 16 * p, o);
+                        vf_store(out + r * GROUP + 16 * p, q4_block_add(vf_load(out + r * GROUP + 16 * p), d, m,
+                                                                        a->scale[row], a->scaled_sum[row], dot, a->bits));
                     }
                 }
             }
             for (int p = 0; p < 4 && mask[p]; p++) {  /* the bf16 build's epilogue: (out + bias), then + y */
                 vf bias = a->bias ? vf_load_mask(a->bias + g * GROUP + 16 * p, mask[p]) : vf_zero();
-                for (long r = 0; r < rows; r++) {
-                    float *yr = a->y + (r0 + r) * a->ldy + g * GROUP + 16 * p;
-                    vf o = vf_add(vf_load(out + r * GROUP + 16 * p), bias);
-                    if (a->accumulate) o = vf_add(vf_load_mask(yr, mask[p]), o);
-                    vf_store_mask(yr, mask[p], o);
-                }
+                for (long r = 0; r < rows; r++)
+                    store_output(a->y + (r0 + r) * a->ldy + g * GROUP + 16 * p, mask[p], vf_load(out + r * GROUP + 16 * p),
+                                 bias, a->accumulate);
             }
         }
     }
@@ -880,8 +885,8 @@ static void q4_groups(const void *ctx, long first, long last) {
  * At one row a tile op computes 1 of its 16 rows, and each 32-input block pays four tile stores
  * and loads besides; VPDPBUSD takes the same B-tile rows (each 32-bit lane: a column's 4 inputs,
  * exactly VPDPBUSD's operand layout) and keeps the sums in registers. The int32 sums are exact in
- * both, and the fp32 epilogue below is q4_groups' to the operation: the same bits as the AMX path
- * (tested), so which path runs never shows in the results. Every AMX-INT8 CPU has AVX-512 VNNI. */
+ * both, and both add each block through q4_block_add and store through store_output: the same
+ * bits as the AMX path (tested), so which path runs never shows in the results. Every AMX-INT8 CPU has AVX-512 VNNI. */
 #define Q4_VNNI_ROWS 2
 
 __attribute__((target("avx512vnni")))
@@ -914,24 +919,18 @@ static void q4_groups_vnni(const void *ctx, long first, long last) {
                     }
                 }
             const uint16_t *dp = d_all + (g * blocks + kb) * GROUP, *mp = m_all + (g * blocks + kb) * GROUP;
-            for (int p = 0; p < 4; p++) {  /* q4_groups' epilogue, operation for operation */
+            for (int p = 0; p < 4; p++) {
                 vf d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + 16 * p)));
                 vf m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + 16 * p)));
-                for (long r = 0; r < a->M; r++) {
-                    long at = r * blocks + kb;
-                    vf o = vf_fmadd(vf_mul(d, vf_set1(a->scale[at])), _mm512_cvtepi32_ps(dots[r][p]), out[r][p]);
-                    out[r][p] = vf_fmadd(m, vf_set1(a->scaled_sum[at]), o);
-                }
+                for (long r = 0; r < a->M; r++)
+                    out[r][p] = q4_block_add(out[r][p], d, m, a->scale[r * blocks + kb], a->scaled_sum[r * blocks + kb],
+                                             _mm512_cvtepi32_ps(dots[r][p]), 4);
             }
         }
         for (int p = 0; p < 4 && mask[p]; p++) {  /* the bf16 build's epilogue: (out + bias), then + y */
             vf bias = a->bias ? vf_load_mask(a->bias + g * GROUP + 16 * p, mask[p]) : vf_zero();
-            for (long r = 0; r < a->M; r++) {
-                float *yr = a->y + r * a->ldy + g * GROUP + 16 * p;
-                vf o = vf_add(out[r][p], bias);
-                if (a->accumulate) o = vf_add(vf_load_mask(yr, mask[p]), o);
-                vf_store_mask(yr, mask[p], o);
-            }
+            for (long r = 0; r < a->M; r++)
+                store_output(a->y + r * a->ldy + g * GROUP + 16 * p, mask[p], out[r][p], bias, a->accumulate);
         }
     }
 }
