@@ -371,7 +371,7 @@ def _blocks(weight_t: torch.Tensor) -> torch.Tensor:
     """`[in, out]` -> fp32 `[ceil(in / 32), 32, out rounded up to 64]`: blocks of 32 inputs per
     column, zeros past the weight (whole column groups, whole blocks)."""
     in_features, out_features = weight_t.shape
-    blocks, groups = -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
+    blocks, groups = _block_shape(in_features, out_features)
     w = torch.zeros(blocks * Q4_BLOCK, groups * GROUP_COLUMNS)
     w[:in_features, :out_features] = weight_t.detach().float()
     return w.view(blocks, Q4_BLOCK, groups * GROUP_COLUMNS)
@@ -384,11 +384,26 @@ def _b_tiles(q: torch.Tensor) -> torch.Tensor:
     return q.view(blocks, 8, 4, groups, 4, 16).permute(3, 0, 4, 1, 5, 2).reshape(groups, blocks, 4, 8, 64)
 
 
+def _from_b_tiles(tiles: torch.Tensor, blocks: int, groups: int) -> torch.Tensor:
+    """`_b_tiles`' inverse: bytes in its order -> `[blocks, 32, G * 64]`."""
+    return tiles.reshape(groups, blocks, 4, 8, 16, 4).permute(1, 3, 5, 0, 2, 4).reshape(blocks, Q4_BLOCK, -1)
+
+
 def _by_group(scales: torch.Tensor) -> torch.Tensor:
     """Per-block fp16 scales `[blocks, G * 64]` -> their bytes in `[G, blocks, 64]` order."""
     blocks, columns = scales.shape
     grouped = scales.view(blocks, columns // GROUP_COLUMNS, GROUP_COLUMNS).transpose(0, 1).contiguous()
     return grouped.view(torch.uint8).reshape(-1)
+
+
+def _from_by_group(raw: torch.Tensor, blocks: int, groups: int) -> torch.Tensor:
+    """`_by_group`'s inverse: bytes -> fp16 scales `[blocks, G * 64]`."""
+    return raw.view(torch.float16).view(groups, blocks, GROUP_COLUMNS).transpose(0, 1).reshape(blocks, -1)
+
+
+def _block_shape(in_features: int, out_features: int) -> tuple[int, int]:
+    """(blocks of 32 inputs, groups of 64 columns) of a weight `[in, out]` (`_blocks`' padding)."""
+    return -(-in_features // Q4_BLOCK), -(-out_features // GROUP_COLUMNS)
 
 
 class Q4Weight:
@@ -397,7 +412,9 @@ class Q4Weight:
     (ggml's `quantize_row_q4_1`: m the block's minimum, d = (max - m) / 15, q = the nearest step).
     Weights that came from Q4_1 blocks (a GGUF target de-quantised) get those blocks back, so
     their 4-bit copy *is* the model: `dequantize()` returns exactly the fp32 weights it holds.
-    `data` is the layout `cpu_kernels.c` reads (its 4-bit section): nibbles, then d, then m."""
+    `data` is the layout `cpu_kernels.c` reads (its 4-bit section): nibbles, then d, then m; it is
+    all this keeps (`q`, `d`, `m` and `dequantize` read the blocks back from it: a copy of q alone
+    was a byte a weight, ~134 MB for SmolLM2's int4 engine, kept for one dequantize at load)."""
 
     def __init__(self, weight_t: torch.Tensor):
         self.in_features, self.out_features = weight_t.shape
@@ -406,11 +423,36 @@ class Q4Weight:
         step = (high - low) / 15
         inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
         q = ((w - low[:, None]) * inverse[:, None] + 0.5).floor().clamp(0, 15).to(torch.uint8)  # as ggml (fp32)
-        self.d, self.m = step.half(), low.half()  # [blocks, columns]
-        self.q = q  # [blocks, 32, columns]
         tiles = _b_tiles(q)
         nibbles = tiles[..., :32] | (tiles[..., 32:] << 4)
-        self.data = huge_pages.place(torch.cat([nibbles.reshape(-1), _by_group(self.d), _by_group(self.m)]))
+        self.data = huge_pages.place(torch.cat([nibbles.reshape(-1), _by_group(step.half()), _by_group(low.half())]))
+
+    def _sections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """`data`'s nibbles, d bytes and m bytes, and the (blocks, groups) they cover."""
+        blocks, groups = _block_shape(self.in_features, self.out_features)
+        size = blocks * groups * GROUP_COLUMNS  # weights (a byte holds two) and entries of each scale table
+        weights = size * Q4_BLOCK // 2
+        return (self.data[:weights], self.data[weights : weights + 2 * size], self.data[weights + 2 * size :],
+                blocks, groups)
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The 4-bit values `[blocks, 32, columns]` (uint8, 0..15), read back from `data`."""
+        nibbles, _, _, blocks, groups = self._sections()
+        nibbles = nibbles.view(-1, 32)
+        return _from_b_tiles(torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1), blocks, groups)
+
+    @property
+    def d(self) -> torch.Tensor:
+        """The per-block steps `[blocks, columns]` (fp16)."""
+        _, d, _, blocks, groups = self._sections()
+        return _from_by_group(d, blocks, groups)
+
+    @property
+    def m(self) -> torch.Tensor:
+        """The per-block minimums `[blocks, columns]` (fp16)."""
+        _, _, m, blocks, groups = self._sections()
+        return _from_by_group(m, blocks, groups)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight `[in, out]` these blocks hold (d * q + m, in fp32, as the GGUF reader)."""
@@ -426,7 +468,7 @@ class Q8Weight:
     head): 32 inputs per output column, w = d * q with q in -127..127 and d fp16 (ggml's
     `quantize_row_q8_0`: d = max|w| / 127, q = round(w / d)). Like `Q4Weight`, weights that came
     from such blocks get them back exactly. `data`: the int8 B tiles as `cpu_kernels.c` reads them
-    (the 4-bit section's 8-bit form), then d."""
+    (the 4-bit section's 8-bit form), then d; all this keeps, as `Q4Weight`."""
 
     def __init__(self, weight_t: torch.Tensor):
         self.in_features, self.out_features = weight_t.shape
@@ -435,8 +477,19 @@ class Q8Weight:
         inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
         scaled = w * inverse[:, None]
         q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)  # roundf: halves away from zero, as ggml
-        self.d, self.q = step.half(), q
-        self.data = huge_pages.place(torch.cat([_b_tiles(q).reshape(-1).view(torch.uint8), _by_group(self.d)]))
+        self.data = huge_pages.place(torch.cat([_b_tiles(q).reshape(-1).view(torch.uint8), _by_group(step.half())]))
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The 8-bit values `[blocks, 32, columns]` (int8), read back from `data`."""
+        blocks, groups = _block_shape(self.in_features, self.out_features)
+        return _from_b_tiles(self.data[: blocks * groups * GROUP_COLUMNS * Q4_BLOCK].view(torch.int8), blocks, groups)
+
+    @property
+    def d(self) -> torch.Tensor:
+        """The per-block steps `[blocks, columns]` (fp16)."""
+        blocks, groups = _block_shape(self.in_features, self.out_features)
+        return _from_by_group(self.data[blocks * groups * GROUP_COLUMNS * Q4_BLOCK :], blocks, groups)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight `[in, out]` these blocks hold (d * q, in fp32)."""
