@@ -17,9 +17,8 @@ Owns: the chunks and placing a tensor in one. Not: what is packed, or how (`cpu_
 
 from __future__ import annotations
 
-import ctypes
+import mmap
 import os
-import sys
 import threading
 
 import torch
@@ -28,13 +27,11 @@ HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20  # a chunk's size; a tensor larger than this gets a chunk of its own
 SMALLEST = 64 << 10  # smaller tensors stay where they are: a page walk's worth is nothing to them
 ALIGNMENT = 64  # each placed tensor starts on a cache line, as the kernels' aligned loads need
-MADV_HUGEPAGE = 14  # <linux/mman.h>
 VARIABLE = "DSPARK_TRT_HUGE_PAGES"
 
 _lock = threading.Lock()
 _chunk: torch.Tensor | None = None  # the chunk being filled (uint8), and how much of it is used
 _used = 0
-_libc = None
 
 
 def enabled() -> bool:
@@ -42,26 +39,25 @@ def enabled() -> bool:
     return os.environ.get(VARIABLE, "").strip().lower() not in ("off", "0", "false", "no")
 
 
-def _advise(address: int, length: int) -> None:
-    """Ask for huge pages over [address, address + length) (2 MB aligned); a refusal is harmless."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    _libc.madvise(address, length, MADV_HUGEPAGE)
-
-
 def _new_chunk(size: int) -> torch.Tensor:
-    """`size` bytes (a multiple of 2 MB), 2 MB aligned, advised before first touch. An allocation
-    of a chunk's size is a fresh mapping of untouched pages (glibc maps anything over 32 MB
-    itself); pages touched before the advice would stay 4 KB until khugepaged merges them."""
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # the view below keeps it alive
+    """`size` bytes (a multiple of 2 MB), 2 MB aligned, advised before first touch.
+
+    The chunk is an anonymous mapping of its own (`mmap`), never malloc's memory: malloc may hand
+    back a stretch of its heap that is already touched (pages touched before the advice stay 4 KB
+    until khugepaged merges them), and advising the heap would mark memory that is not ours."""
+    # Private: a shared anonymous mapping (mmap's default) is shmem, whose huge pages are a separate
+    # setting that is off by default. The tensor below holds a reference, so the mapping stays.
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, **private)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     chunk = raw[start : start + size]
-    _advise(chunk.data_ptr(), size)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only; elsewhere the chunk is plain memory
+    if advice is not None:
+        try:
+            mapping.madvise(advice, start, size)
+        except OSError:  # THP compiled out: a refusal is harmless
+            pass
     return chunk
 
 
