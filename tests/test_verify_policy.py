@@ -156,7 +156,7 @@ def test_drafting_is_judged_by_the_rule_that_will_verify():
     # the first draft token (1.6 / 2.1 < 1 / 1.1) and would verify nothing: a draft for nothing.
     cost = costs([1, 2, 3], [1.0, 2.0, 2.0], [1], [0.1])
     survival = [[0.6, 0.6]]
-    assert best_budget(survival, cost, 1)[1] > cost.rate(1, 1, 0)
+    assert best_budget(survival, cost, 1)[1] > cost.rate(1, 1, 0, 1)
     assert algorithm1(survival, cost, 1) == [0]
     policy = DSparkPolicy()
     policy.costs = cost
@@ -255,7 +255,7 @@ def test_measured_draft_costs_scale_the_profiled_ones():
         cost.observe_drafter(1, 0.4)
     assert cost.drafter_scale == pytest.approx(2.0, rel=1e-6)
     assert cost.drafter_seconds(2) == pytest.approx(0.6, rel=1e-6)
-    assert cost.rate(2.0, 2, 1) == pytest.approx(2.0 / (1.1 + 0.4), rel=1e-6)
+    assert cost.rate(2.0, 2, 1, 1) == pytest.approx(2.0 / (1.1 + 0.4), rel=1e-6)
     policy = DSparkPolicy()
     policy.costs = cost
     policy.observe_drafter(1, 0.2)  # the policy forwards what the engine measured
@@ -382,6 +382,51 @@ def test_only_steady_state_drafts_scale_the_drafter_cost(tiny_llama, target, tmp
         llm = LLM(target=tiny_llama, drafter=tmp_path / "dspark", policy=policy)
         llm.generate(["The quick brown fox"], params)
         assert bool(policy.observed) is observed, every
+
+
+def test_decoding_steps_teach_the_costs_what_the_profile_does_not_see():
+    """The profile times one request's blocks with nothing around the forward; a step of 8 requests
+    that takes 0.3 ms more per request, and 0.2 ms more per verified draft token beyond that, is
+    learned as such (running means over steps), and the objective counts both."""
+    cost = costs([1, 8, 16], [0.010, 0.0136, 0.0152], [1, 4], [0.002, 0.004])
+    for _ in range(400):  # plain steps of 8 requests
+        cost.observe_step(8, 8, 0.0136 + 8 * 0.0003, 0.0)
+    assert cost.request_seconds == pytest.approx(0.0003, rel=1e-6) and cost.token_seconds == 0.0
+    for _ in range(400):  # steps where 4 of them drafted (3.9 ms) and 8 draft tokens were verified
+        cost.observe_step(8, 16, 0.0152 + 0.0039 + 8 * 0.0003 + 8 * 0.0002, 0.0039)
+    assert cost.token_seconds == pytest.approx(0.0002, rel=1e-6)
+    assert cost.request_seconds == pytest.approx(0.0003, rel=1e-6)
+    assert cost.rate(12.0, 16, 4, 8) == pytest.approx(12.0 / (0.0152 + 0.004 + 8 * 0.0003 + 8 * 0.0002), rel=1e-6)
+    cost.observe_step(8, 8, 0.001, 0.0)  # faster than the profile: noise, never a negative overhead
+    assert cost.request_seconds == pytest.approx(0.95 * 0.0003, rel=1e-6)
+
+
+def test_a_learned_verification_overhead_stops_drafting_that_only_the_profile_says_pays():
+    """At 8 requests with half-sure drafts the profile alone says drafting pays; once steps show
+    each verified draft token costing 1 ms more than it says, it no longer does, and the policy
+    decodes plainly. The policy's costs are what the engine's steps teach it (`observe_step`)."""
+    policy = DSparkPolicy()
+    policy.costs = costs([1, 8, 16, 24], [0.010, 0.0136, 0.0152, 0.0168], [1, 8], [0.001, 0.002])
+    rows = [[0.8, 0.64, 0.51, 0.41]] * 8
+    assert any(policy.drafting(rows, 4))
+    for _ in range(400):
+        policy.observe_step(8, 16, 0.0152 + 0.002 + 8 * 0.001, 0.002)
+    assert policy.costs.token_seconds == pytest.approx(0.001, rel=1e-6)
+    assert not any(policy.drafting(rows, 4))
+
+
+def test_the_engine_reports_every_decoding_step_to_the_policy(tiny_llama, target, tmp_path):
+    """Against a profile that says a target step takes a nanosecond (and a draft 10 s, so nothing
+    drafts), every real decoding step is unexplained time: the engine hands each one to the
+    policy, whose learned per-request overhead grows from zero."""
+    save_drafter(make_drafter(target), tmp_path / "dspark")
+    profile = LatencyProfile("torch-cpu", "cpu:test", [1, 256], [1e-9, 1e-9], [1, 64], [10.0, 10.0])
+    policy = DSparkPolicy()
+    llm = LLM(target=tiny_llama, drafter=tmp_path / "dspark", policy=policy, profile=profile, dtype="float32")
+    assert policy.costs.request_seconds == 0.0
+    llm.generate(["The quick brown fox"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert llm.engine.counters.num_drafts == 0 and policy.costs.token_seconds == 0.0
+    assert policy.costs.request_seconds > 0.0
 
 
 def test_the_policy_is_asked_again_only_when_its_inputs_changed(target):
