@@ -105,6 +105,27 @@ def test_where_no_draft_could_pay_nothing_drafts_not_even_to_explore(target):
         assert any(scheduler._drafting(requests, StepStats()) for _ in range(50)) is drafts
 
 
+def test_explorations_are_bounded_by_the_best_block_drafted_so_far(target):
+    """At 4 requests a sure block of 2 would pay (6 tokens in 1.03 s against 4 in 1.0 s); blocks
+    that have survived at best 1% and 0.01% would not. With only such evidence (the prior of
+    finished requests and the running requests' latest blocks, position by position the best of
+    them) there is nothing to explore for; with no evidence at all a perfect block is the bound."""
+    policy = DSparkPolicy()
+    policy.costs = costs([4, 5, 6], [1.0, 1.01, 1.02], [1], [0.01])
+    assert policy.could_pay(4, 2) and not policy.could_pay(4, 2, [0.01, 0.0001])
+    assert policy.could_pay(4, 2, [0.9, 0.5])
+    scheduler = Scheduler(target.model.new_pool(1, 16), policy, max_batch_tokens=16, context_length=16,
+                          explore_every=2, block_size=2)
+    requests = [decoding_request(name) for name in "abcd"]
+    assert scheduler.best_known_survival(requests) is None
+    scheduler.prior = [0.01, 0.0001]
+    scheduler.survival["a"] = [0.005, 0.0002]
+    assert scheduler.best_known_survival(requests) == [0.01, 0.0002]
+    assert not any(scheduler._drafting(requests, StepStats()) for _ in range(50))
+    scheduler.survival["b"] = [0.9, 0.5]  # one running request's block survived well: worth a look again
+    assert scheduler.best_known_survival(requests) == [0.9, 0.5]
+
+
 def test_a_long_catch_up_counts_against_drafting(target):
     # One request whose draft pays when its context is current: (1 + 0.9 + 0.81) / (1.1 + 0.3) s
     # beats 1 / 1 s; with 3,000 positions to catch up on first, at 1 ms each, it does not.

@@ -144,10 +144,12 @@ class Scheduler:
         # step); while explorations keep finding no gain the gap doubles (16, 32, .. 256 steps), so
         # text the drafter cannot predict costs at most a fraction of a percent over plain
         # decoding, and a gain found again resets the gap. Where no draft could pay at this batch
-        # (`VerifyPolicy.could_pay`), there is nothing to find: no exploration.
+        # (`VerifyPolicy.could_pay`, even a block as good as any drafted so far), there is nothing
+        # to find: no exploration.
         if drafting:
             self.explore_gap = self.explore_every
-        elif self.steps_since_draft >= self.explore_gap and self.policy.could_pay(len(decoding), self.block_size):
+        elif self.steps_since_draft >= self.explore_gap and self.policy.could_pay(
+                len(decoding), self.block_size, self.best_known_survival(decoding)):
             drafting = [min(decoding, key=lambda r: self.last_drafted.get(r.request_id, -1))]
             self.explore_gap = min(2 * self.explore_gap, 16 * self.explore_every)
         for request in drafting:
@@ -157,6 +159,16 @@ class Scheduler:
         stats.scheduler_seconds += time.perf_counter() - tick
         self.steps_since_draft = 0 if drafting else self.steps_since_draft + 1
         return drafting
+
+    def best_known_survival(self, decoding: list[Request]) -> list[float] | None:
+        """Position by position, the best prefix survival any block has shown: the running
+        requests' latest blocks (as drafted) and the prior of finished ones. None before any
+        block: no evidence, so no bound but a perfect block."""
+        rows = [self.survival[r.request_id] for r in decoding if r.request_id in self.survival]
+        rows += [self.prior] if self.prior else []
+        if not rows:
+            return None
+        return [max(row[j] for row in rows if j < len(row)) for j in range(max(len(row) for row in rows))]
 
     def _update_prior(self, row: list[float]) -> None:
         """Fold a finished request's last (corrected) survivals into the prior for new requests."""

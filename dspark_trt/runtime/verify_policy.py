@@ -214,7 +214,7 @@ class VerifyPolicy:
         (beyond a step's worth): every one, for a policy that does not weigh the drafter's cost."""
         return [self.uses_drafter] * len(lagged_survival)
 
-    def could_pay(self, num_decoding: int, block_size: int) -> bool:
+    def could_pay(self, num_decoding: int, block_size: int, best_survival: list[float] | None = None) -> bool:
         """Whether drafting could beat plain decoding at all with `num_decoding` decoding requests:
         always, for a policy that does not weigh the drafter's cost."""
         return self.uses_drafter
@@ -306,17 +306,23 @@ class DSparkPolicy(VerifyPolicy):
             self.last_plan = best_budget(best_rows, self.costs, best_k)
         return [bool(row) for row in best_rows] if best_k else [False] * count
 
-    def could_pay(self, num_decoding, block_size):
-        """Whether one request's draft would beat plain decoding even if all `block_size` of its
-        tokens were sure to survive: the most a draft can return at this batch. Where even that
-        loses (at high concurrency a draft, or the target's extra rows, costs more than a whole
-        block saves), the scheduler neither tries nor explores: measured on a 2-core Xeon at 32
-        requests, those drafts cost ~2% of the throughput and verified 0.7 tokens each. Lossless:
-        it reads only the profile and the counts, never a draft token."""
+    def could_pay(self, num_decoding, block_size, best_survival=None):
+        """Whether one request's draft would beat plain decoding with `num_decoding` decoding
+        requests, were its block as good as the best evidence says: `best_survival`, the best prefix
+        survivals drafts have shown (`Scheduler.best_known_survival`), or, with none yet, all
+        `block_size` tokens sure to survive. Where even that loses (at high concurrency a draft, or
+        the target's extra rows, costs more than such a block saves), the scheduler neither tries
+        nor explores: measured on a 2-core Xeon at 32 requests, those drafts cost ~2% of the
+        throughput and verified 0.7 tokens each; and in a closed-loop serving bench each one that
+        gained a token put its request a step out of the lock step in which the others prefill and
+        finish together, so every later prefill stalled the rest (8-32 requests: 2-4% per-user
+        speed, with almost nothing drafted). Lossless: it reads only costs, counts and survivals of
+        earlier blocks, never a draft token."""
         if self.costs is None or block_size <= 0:
             return True
-        perfect = [[1.0] * block_size] + [[] for _ in range(num_decoding - 1)]
-        return self.expected_rate(perfect, 1) > self.costs.rate(num_decoding, num_decoding, 0, num_decoding)
+        best = list(best_survival[:block_size]) if best_survival else [1.0] * block_size
+        return self.expected_rate([best] + [[] for _ in range(num_decoding - 1)], 1) > \
+            self.costs.rate(num_decoding, num_decoding, 0, num_decoding)
 
     def expected_rate(self, survival: list[list[float]], num_drafting: int, catch_up_positions: int = 0) -> float:
         """Tokens per second if the requests with a row draft (catching up on `catch_up_positions`
