@@ -109,7 +109,8 @@ def test_explorations_are_bounded_by_the_best_block_drafted_so_far(target):
     """At 4 requests a sure block of 2 would pay (6 tokens in 1.03 s against 4 in 1.0 s); blocks
     that have survived at best 1% and 0.01% would not. With only such evidence (the prior of
     finished requests and the running requests' latest blocks, position by position the best of
-    them) there is nothing to explore for; with no evidence at all a perfect block is the bound."""
+    them) there is nothing to explore for; with no evidence at all, or a request decoding alone, a
+    perfect block is the bound."""
     policy = DSparkPolicy()
     policy.costs = costs([4, 5, 6], [1.0, 1.01, 1.02], [1], [0.01])
     assert policy.could_pay(4, 2) and not policy.could_pay(4, 2, [0.01, 0.0001])
@@ -122,6 +123,8 @@ def test_explorations_are_bounded_by_the_best_block_drafted_so_far(target):
     scheduler.survival["a"] = [0.005, 0.0002]
     assert scheduler.best_known_survival(requests) == [0.01, 0.0002]
     assert not any(scheduler._drafting(requests, StepStats()) for _ in range(50))
+    alone = [requests[0]]  # decoding alone, a request explores whatever the evidence: nothing to break
+    assert any(scheduler._drafting(alone, StepStats()) for _ in range(50))
     scheduler.survival["b"] = [0.9, 0.5]  # one running request's block survived well: worth a look again
     assert scheduler.best_known_survival(requests) == [0.9, 0.5]
 
