@@ -185,8 +185,14 @@ def test_metrics_use_vllm_names(server, client, model_name):
                  "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "dspark:verify_budget_per_step_bucket"):
+                 "dspark:verify_budget_per_step_bucket", "dspark:policy_request_overhead_seconds",
+                 "dspark:policy_token_overhead_seconds", "dspark:policy_drafter_cost_scale"):
         assert name in text, name
+    # The dspark policy's learned costs: it has seen decoding steps, so the drafter scale and the
+    # overheads are numbers (the overheads never negative).
+    assert server.metric("dspark:policy_drafter_cost_scale") > 0
+    assert server.metric("dspark:policy_request_overhead_seconds") >= 0
+    assert server.metric("dspark:policy_token_overhead_seconds") >= 0
     # The counters move by exactly what the response says happened.
     assert server.metric("vllm:spec_decode_num_draft_tokens_total") - before["vllm:spec_decode_num_draft_tokens_total"] \
         == stats["num_draft_tokens"]

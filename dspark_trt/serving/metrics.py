@@ -7,7 +7,8 @@ Speculative-decoding counters reuse vLLM's names so existing dashboards work:
 and the running/waiting/KV gauges are read from the engine at scrape time (a custom collector),
 so they can never drift from what the engine did. Latencies (time to first token, inter-token
 latency, end-to-end) are observed per request by the server into histograms; the verify budget
-per step is observed by the engine thread after every step.
+per step is observed by the engine thread after every step. A policy that weighs costs also shows
+what it has learned beyond the latency profile (`dspark:policy_*`): why it drafts, or does not.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV memory (slots) in use.", engine.kv_usage)
         yield gauge("dspark:verify_budget", "Draft tokens verified in the last step (all requests).",
                     engine.last_step.verify_budget)
+        costs = getattr(engine.policy, "costs", None)  # what a cost-weighing policy has learned (else None)
+        if costs is not None:
+            yield gauge("dspark:policy_request_overhead_seconds", "A decoding request's step cost beyond the "
+                        "latency profile, as the verify policy has learned it.", costs.request_seconds)
+            yield gauge("dspark:policy_token_overhead_seconds", "A verified draft token's step cost beyond the "
+                        "latency profile, as the verify policy has learned it.", costs.token_seconds)
+            yield gauge("dspark:policy_drafter_cost_scale", "Measured / profiled draft time, as the verify "
+                        "policy scales the profile's drafter costs.", costs.drafter_scale)
 
 
 class ServerMetrics:
