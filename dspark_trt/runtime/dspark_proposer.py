@@ -220,7 +220,8 @@ class DSparkProposer(Proposer):
     def observe(self, request: Request, features: torch.Tensor) -> None:
         """Queue the target features `[num_kept, m * d]` of the positions the last step kept for `request`."""
         if len(features):
-            self.queued.setdefault(request.request_id, []).append(features.cpu())  # drafts on the CPU
+            # Drafts on the CPU; `is_cpu` is an attribute, `.cpu()` a PyTorch call even when a no-op.
+            self.queued.setdefault(request.request_id, []).append(features if features.is_cpu else features.cpu())
 
     def context_length(self, request_id: str) -> int:
         """Positions of this request's context the drafter has (in the pool or queued)."""

@@ -230,11 +230,13 @@ class Engine:
                 # The cache holds [.., pending, d_1..d_l]; keep pending and the accepted drafts.
                 request.cache.truncate(request.cache.length - num_verified + verdict.num_accepted)
                 num_kept = 1 + verdict.num_accepted
-                logits = token_rows = logits[:num_kept]  # rejected drafts' rows go with their KV entries
+                if num_kept < len(logits):  # rejected drafts' rows go with their KV entries
+                    logits = logits[:num_kept]
+                token_rows = logits
             committed = self.output_processor.commit(request, verdict.token_ids, token_rows)
             self.counters.num_generated_tokens += committed
             if features is not None:
-                features = features[:num_kept]
+                features = features[:num_kept] if num_kept < len(features) else features
                 # Keep the drafter's context current every step. Not for a request that just
                 # finished: EOS or a stop string inside the accepted drafts leaves kept positions
                 # without a committed token after them, and its drafter state is released anyway.

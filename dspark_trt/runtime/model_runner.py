@@ -56,10 +56,10 @@ class ModelRunner:
         )
         logits_rows = output.logits.cpu()  # [num_logits, vocab]
         feature_rows = output.features  # [tokens, m * hidden], on the target's device
-        logits, features, row, offset = [], [], 0, 0
-        for feed in feeds:
-            logits.append(logits_rows[row : row + feed.num_logit_rows])
-            features.append(None if feature_rows is None else feature_rows[offset : offset + len(feed.token_ids)])
-            row += feed.num_logit_rows
-            offset += len(feed.token_ids)
+        # One split per step, not a slice per feed: under a server each small PyTorch call may hand
+        # the interpreter lock to the HTTP thread (measured: with a slice and a queueing call per
+        # request, a 32-request server that drafted nothing ran 0.968x plain; without them 1.013x).
+        logits = list(logits_rows.split([feed.num_logit_rows for feed in feeds]))
+        features = ([None] * len(feeds) if feature_rows is None
+                    else list(feature_rows.split([len(feed.token_ids) for feed in feeds])))
         return RunnerOutput(logits, features)
