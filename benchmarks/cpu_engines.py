@@ -52,6 +52,18 @@ def cpu_summary() -> dict:
     return {"name": name, "cores": os.cpu_count(), "isa": [f for f in wanted if f in flags]}
 
 
+def parse_counts(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers given as `option` (`"1,4,8"`), or the parser's
+    usage error naming the option."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        parser.error(f"{option} must be comma-separated integers, got {text!r}")
+    if not counts or min(counts) < 1:
+        parser.error(f"{option} must list positive counts, got {text!r}")
+    return counts
+
+
 def write_json(path: Path, data: dict) -> None:
     """`data` as indented JSON at `path`, atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,10 +164,9 @@ def measure_ort(path: Path, quantize: bool, tokens: list[int], context: int, rep
     return {"ms": time_steps(step, tokens, repeats), "weight_bytes_approx": weight_bytes}
 
 
-def child(args) -> None:
-    """Measure one candidate (named by CANDIDATE_ENV) and print its JSON."""
+def child(args, tokens: list[int]) -> None:
+    """Measure one candidate (named by CANDIDATE_ENV) at `tokens` new tokens a step and print its JSON."""
     name = os.environ[CANDIDATE_ENV]
-    tokens = [int(t) for t in args.tokens.split(",")]
     if name == "kernels_int4":
         result = measure_ours("int4", tokens, args.context, args.repeats)
     elif name.startswith("kernels_"):
@@ -188,8 +199,9 @@ def main() -> int:
     parser.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime candidates")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "cpu_engines.json")
     args = parser.parse_args()
+    tokens = parse_counts(parser, "--tokens", args.tokens)
     if CANDIDATE_ENV in os.environ:
-        child(args)
+        child(args, tokens)
         return 0
 
     sys.path.insert(0, str(HERE))
@@ -238,7 +250,6 @@ def main() -> int:
     report = {"command": "python benchmarks/cpu_engines.py " + " ".join(sys.argv[1:]), "cpu": cpu,
               "context_tokens": args.context, "repeats": args.repeats, "read_bandwidth_gb_s": bandwidth,
               "weight_read_floor_ms": floors, "step_ms": {n: r["ms"] for n, r in results.items()}, "summary": summary}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.output, report)
     plot(report, args.output.with_suffix(".png"))
     for name, entry in summary.items():

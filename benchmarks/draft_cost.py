@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cpu_engines import cpu_summary, write_json
+from cpu_engines import cpu_summary, parse_counts, write_json
 
 
 def measure(llm, num_requests: int, context: int, samples: int) -> dict:
@@ -96,12 +96,9 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=300, help="timed (step, draft, draft) triples per count")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/draft_cost.json"))
     args = parser.parse_args()
-    try:
-        counts = [int(c) for c in args.requests.split(",") if c.strip()]
-    except ValueError:
-        parser.error(f"--requests must be comma-separated integers, got {args.requests!r}")
-    if not counts or min(counts) < 1 or args.context < 16 or args.samples < 1:
-        parser.error("--requests must list positive counts, --context be >= 16 and --samples >= 1")
+    counts = parse_counts(parser, "--requests", args.requests)
+    if args.context < 16 or args.samples < 1:
+        parser.error("--context must be >= 16 and --samples >= 1")
 
     from dspark_trt import LLM  # before torch: it sets the CPU threading policy
     from dspark_trt.kernels import cpu_kernels

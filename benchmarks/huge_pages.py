@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cpu_engines import cpu_summary, write_json
+from cpu_engines import cpu_summary, parse_counts, write_json
 
 ORDER = (("4k", "off"), ("huge", "on"))  # (copy, DSPARK_TRT_HUGE_PAGES while its weights are packed)
 
@@ -42,12 +42,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/huge_pages.json"))
     args = parser.parse_args()
-    try:
-        token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    if not token_counts or min(token_counts) < 1 or args.steps < 20 or args.context < 1:
-        parser.error("--tokens must list positive counts, --steps be >= 20 and --context >= 1")
+    token_counts = parse_counts(parser, "--tokens", args.tokens)
+    if args.steps < 20 or args.context < 1:
+        parser.error("--steps must be >= 20 and --context >= 1")
 
     import dspark_trt  # noqa: F401  (before torch: the CPU threading policy)
     import torch
