@@ -320,7 +320,7 @@ class DSparkPolicy(VerifyPolicy):
         earlier blocks, never a draft token."""
         if self.costs is None or block_size <= 0:
             return True
-        best = list(best_survival[:block_size]) if best_survival else [1.0] * block_size
+        best = best_survival[:block_size] if best_survival else [1.0] * block_size
         return self.expected_rate([best] + [[] for _ in range(num_decoding - 1)], 1) > \
             self.costs.rate(num_decoding, num_decoding, 0, num_decoding)
 

@@ -73,7 +73,7 @@ class EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV memory (slots) in use.", engine.kv_usage)
         yield gauge("dspark:verify_budget", "Draft tokens verified in the last step (all requests).",
                     engine.last_step.verify_budget)
-        costs = getattr(engine.policy, "costs", None)  # what a cost-weighing policy has learned (else None)
+        costs = engine.policy.costs  # what a cost-weighing policy has learned (None: a policy without a profile)
         if costs is not None:
             yield gauge("dspark:policy_request_overhead_seconds", "A decoding request's step cost beyond the "
                         "latency profile, as the verify policy has learned it.", costs.request_seconds)
