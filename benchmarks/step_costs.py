@@ -51,7 +51,7 @@ def main() -> None:
 
     def recording(self, stats, step_start):  # the engine's own bookkeeping, then one row per decoding step
         finish_step(self, stats, step_start)
-        if self is engine and stats.num_decoding and stats.batch_tokens == stats.num_decoding + stats.verify_budget:
+        if self is engine and stats.decoding_only:
             profile = costs.profile  # the profile alone, not what the policy has learned on top of it
             predicted = profile.target_seconds(stats.batch_tokens) + profile.drafter_seconds(stats.num_drafting)
             groups[(stats.num_decoding, stats.num_drafting)].append(

@@ -254,7 +254,7 @@ class Engine:
         stats.step_seconds = time.perf_counter() - step_start
         if not stats.num_drafting:
             self._drafted_last_step = set()
-        if stats.num_decoding and stats.batch_tokens == stats.num_decoding + stats.verify_budget:  # no prompt chunk
+        if stats.decoding_only:
             self.policy.observe_step(stats.num_decoding, stats.batch_tokens, stats.step_seconds, stats.drafter_seconds)
         self.counters.record_step(stats)
         self.last_step = stats

@@ -26,6 +26,11 @@ class StepStats:
     drafter_seconds: float = 0.0
     step_seconds: float = 0.0
 
+    @property
+    def decoding_only(self) -> bool:
+        """Whether the step decoded and nothing else: no prompt chunk among its tokens."""
+        return bool(self.num_decoding) and self.batch_tokens == self.num_decoding + self.verify_budget
+
 
 @dataclass
 class EngineCounters(AcceptanceCounts):
